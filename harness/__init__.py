@@ -1,0 +1,1 @@
+"""Harness: the command line, reference runs, and (later) the fault x seed bench and its scoring."""
