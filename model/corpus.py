@@ -75,7 +75,7 @@ class MarkovSource:
         index = self._index
         ids = [index[w] for w in text.split(" ")]
         logp = math.log(self.start[ids[0]])
-        for prev, nxt in zip(ids, ids[1:]):
+        for prev, nxt in zip(ids, ids[1:], strict=False):
             logp += math.log(self.weights[prev][self.successors[prev].index(nxt)])
         return logp + math.log(self._length_prob(len(ids)))
 

@@ -52,26 +52,20 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     val_texts = [t for t in texts if split_of(t, cfg.val_fraction) == "val"]
     tok = load_or_train_tokenizer(train_texts, cfg.vocab_size, source.fingerprint())
 
-    def prepare(split_texts: list[str]) -> tuple[list[list[int]], int]:
-        encoded = tok.encode_batch(split_texts)
-        too_long = sum(len(ids) > cfg.seq_len for ids in encoded)
-        if too_long and not cfg.truncate:
-            raise ValueError(
-                f"{too_long} documents exceed seq_len={cfg.seq_len} tokens and truncation is off"
-            )
-        return [truncate(ids, cfg.seq_len, tok.eos_id) for ids in encoded], too_long
-
-    train, train_cut = prepare(train_texts)
-    val, val_cut = prepare(val_texts)
-    whole = [(t, ids) for t, ids in zip(val_texts, tok.encode_batch(val_texts)) if len(ids) <= cfg.seq_len]
+    train_ids, val_ids = tok.encode_batch(train_texts), tok.encode_batch(val_texts)
+    too_long = sum(len(ids) > cfg.seq_len for ids in train_ids + val_ids)
+    if too_long and not cfg.truncate:
+        raise ValueError(f"{too_long} documents exceed seq_len={cfg.seq_len} tokens and truncation is off")
+    # The floor is exact only for documents the model sees whole.
+    whole = [(t, ids) for t, ids in zip(val_texts, val_ids, strict=True) if len(ids) <= cfg.seq_len]
     nats = sum(-source.log_prob(t) for t, _ in whole)
     predicted = sum(len(ids) - 1 for _, ids in whole)  # every token after BOS, EOS included
     return Corpus(
         tokenizer=tok,
-        train=tuple(map(tuple, train)),
-        val=tuple(map(tuple, val)),
+        train=tuple(tuple(truncate(ids, cfg.seq_len, tok.eos_id)) for ids in train_ids),
+        val=tuple(tuple(truncate(ids, cfg.seq_len, tok.eos_id)) for ids in val_ids),
         loss_floor=nats / predicted,
-        truncated_fraction=(train_cut + val_cut) / len(texts),
+        truncated_fraction=too_long / len(texts),
     )
 
 

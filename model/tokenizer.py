@@ -71,8 +71,9 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def cache_dir() -> Path:
-    """Where trained tokenizers are kept: ``$FAULTBENCH_CACHE`` or ``~/.cache/faultbench``."""
-    return Path(os.environ.get("FAULTBENCH_CACHE", Path.home() / ".cache" / "faultbench"))
+    """Where trained tokenizers are kept: ``$TOKENIZER_CACHE_DIR``, else ``.cache/tokenizers`` in the repo."""
+    default = Path(__file__).resolve().parent.parent / ".cache" / "tokenizers"
+    return Path(os.environ.get("TOKENIZER_CACHE_DIR", default))
 
 
 def load_or_train_tokenizer(texts: list[str], vocab_size: int, corpus_key: str) -> Tokenizer:

@@ -1,0 +1,38 @@
+# Two commands on a fresh clone: `make bench` and `make test`. Both set themselves up first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# torch is installed first and pinned for every later install, so pip can never swap in another build.
+TORCH  := torch==2.13.0
+
+.PHONY: setup test bench perf lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.torch:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet $(TORCH)
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
+	echo "$(TORCH)" > $(VENV)/constraints.txt
+	$(PIP) install --quiet -c $(VENV)/constraints.txt -e '.[dev]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -n auto -q
+
+# Until the fault bench lands, the main job is the reference training run and its summary.
+bench: setup
+	$(PY) -m harness train --preset tiny
+
+perf: setup
+	$(PY) -m benchmarks.perf
+
+lint: setup
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

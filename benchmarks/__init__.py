@@ -1,0 +1,1 @@
+"""Performance benchmarks of the reference GPT against a plain single-file GPT."""

@@ -1,0 +1,51 @@
+"""The command line: `faultbench train --json` and `faultbench seams --json`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.cli import main
+from model.seams import SEAMS
+
+
+def test_train_json_summary(capsys):
+    assert main(["train", "--preset", "tiny", "--steps", "12", "--json", "--log-every", "5"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    for key in ("final_loss", "val_loss", "loss_floor", "steps", "tokens_per_s"):
+        assert key in summary
+    assert summary["steps"] == 12
+    assert summary["val_loss"] > summary["loss_floor"] > 0
+    assert "step    10" in err  # progress goes to stderr when stdout carries JSON
+
+
+def test_train_resume_continues_from_checkpoint(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert main(["train", "--steps", "8", "--save", str(ckpt), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["train", "--steps", "8", "--resume", str(ckpt), "--json"]) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # resuming at the final step trains nothing more and reproduces the same model
+    assert resumed["steps"] == first["steps"] == 8
+    assert resumed["val_loss"] == first["val_loss"]
+
+
+def test_bad_config_is_a_clear_error_not_a_traceback(capsys):
+    assert main(["train", "--accum", "3"]) == 2
+    assert "divisible by accum=3" in capsys.readouterr().err
+
+
+def test_seams_json_lists_every_seam():
+    out = subprocess.run([sys.executable, "-m", "harness", "seams", "--json"], capture_output=True, text=True,
+                         check=True).stdout
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == list(SEAMS)
+    assert all(r["file"].startswith("model/") and r["line"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("argv", [["train", "--precision", "fp8"], ["train", "--preset", "tinny"]])
+def test_argparse_rejects_unknown_choices(argv):
+    with pytest.raises(SystemExit):
+        main(argv)
