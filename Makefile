@@ -21,7 +21,7 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	touch $@
 
 test: setup
-	$(PY) -m pytest -n auto -q
+	$(PY) -m pytest -n auto --dist loadgroup -q
 
 # Until the fault bench lands, the main job is the reference training run and its summary.
 bench: setup
@@ -29,6 +29,7 @@ bench: setup
 
 perf: setup
 	$(PY) -m benchmarks.perf
+	$(PY) -m benchmarks.dist_startup
 
 lint: setup
 	$(PY) -m ruff check .

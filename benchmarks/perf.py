@@ -4,7 +4,8 @@
 
 (A) is ``model.train.train_step`` on the reference run; (B) is the same step written plainly for
 benchmarks/plain_gpt.py (same weights, AdamW groups, lr schedule, clipping). Both see the same fixed
-list of right-padded micro-batches. The seams and safety features of the reference should cost at
+list of right-padded micro-batches. "Forward only" is the forward and loss under no_grad: the
+models' own cost without autograd or the optimizer. The seams and safety features of the reference should cost at
 most 5%: target reference/plain <= 1.05.
 """
 
@@ -76,20 +77,26 @@ def make_reference(run):
 
 
 def time_pair(fns: dict, batches: list, warmup: int, repeats: int, sync) -> dict:
-    """Median over repeats of the mean seconds per step of each function, blocks interleaved A/B."""
+    """Seconds per step of each function: per batch, the median over repeats; then the mean over batches.
+
+    Blocks alternate A/B (ABBA...) so drift and order effects cancel; the per-batch median drops the
+    steps that a context switch or a GC pause hit, which block means on a busy machine do not.
+    """
     for fn in fns.values():  # allocator, optimizer state, lazy inits
         for micro_batches in batches[:warmup]:
             fn(micro_batches)
     names, times = list(fns), {name: [] for name in fns}
     for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:  # ABBA...: drift and order effects cancel
-            sync()
-            start = time.perf_counter()
+        for name in names if r % 2 == 0 else names[::-1]:
+            block = []
             for micro_batches in batches:
+                sync()
+                start = time.perf_counter()
                 fns[name](micro_batches)
-            sync()
-            times[name].append((time.perf_counter() - start) / len(batches))
-    return {name: statistics.median(t) for name, t in times.items()}
+                sync()
+                block.append(time.perf_counter() - start)
+            times[name].append(block)
+    return {name: statistics.fmean(map(statistics.median, zip(*t, strict=True))) for name, t in times.items()}
 
 
 def main(argv=None) -> dict:
@@ -120,7 +127,7 @@ def main(argv=None) -> dict:
     result = {"preset": args.preset, "steps": args.steps, "repeats": args.repeats, "threads": 1,
               "tokens_per_step": tokens, "target_ratio": TARGET}
     print(f"preset {args.preset}: {args.steps} steps x {args.repeats} repeats, 1 thread, "
-          f"{tokens:.0f} real tokens/step; median of per-step means")
+          f"{tokens:.0f} real tokens/step; per-batch median over repeats")
     print(f"{'':14}{'ref ms':>9}{'plain ms':>10}{'ref tok/s':>11}{'plain tok/s':>13}{'ref/plain':>11}")
     for name, t in (("train step", train), ("forward only", forward)):
         ratio = t["reference"] / t["plain"]

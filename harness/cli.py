@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
 
@@ -13,65 +12,49 @@ from model.config import PAD_SIDES, PRECISIONS, PRESETS, get_preset
 
 
 def _train(args) -> int:
-    from model.checkpoint import load_checkpoint, save_checkpoint
-    from model.evaluate import evaluate
-    from model.run import build_run
-    from model.train import train
+    import os
+
+    from harness.training import train_on_rank, train_reference
+    from model.distributed import init_from_env
 
     torch.set_num_threads(args.threads)
-    overrides = {"train": {}, "data": {}}
-    for section, key, value in (
-        ("train", "steps", args.steps), ("train", "precision", args.precision), ("train", "accum", args.accum),
-        ("data", "pad_side", args.pad_side),
-    ):
+    base = get_preset(args.preset)
+    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun else args.world_size
+    train_overrides = {"world_size": world, "zero": args.zero}
+    for key, value in (("steps", args.steps), ("precision", args.precision), ("accum", args.accum)):
         if value is not None:
-            overrides[section][key] = value
+            train_overrides[key] = value
     if args.steps is not None:
-        overrides["train"]["warmup_steps"] = min(get_preset(args.preset).train.warmup_steps, args.steps)
-    cfg = get_preset(args.preset).replace(**overrides, seed=args.seed)
-
-    start = time.perf_counter()
-    run = build_run(cfg)
-    if args.resume:
-        load_checkpoint(run, args.resume)
+        train_overrides["warmup_steps"] = min(base.train.warmup_steps, args.steps)
+    data_overrides = {"pad_side": args.pad_side} if args.pad_side else {}
+    cfg = base.replace(train=train_overrides, data=data_overrides, seed=args.seed)
     log = sys.stderr if args.json else sys.stdout
+    common = {"save": args.save, "resume": args.resume, "log_every": args.log_every}
 
-    def progress(run, record):
-        if record.step % args.log_every == 0 or run.step == cfg.train.steps:
-            print(f"step {record.step:5d}  loss {record.loss:.4f}  grad_norm {record.grad_norm:.3f}  "
-                  f"lr {record.lr:.2e}  scale {record.scale:g}  {record.tokens_per_s:,.0f} tok/s", file=log)
+    if launched_by_torchrun:
+        import torch.distributed as dist
 
-    train_start = time.perf_counter()
-    train(run, on_step=progress)
-    train_s = time.perf_counter() - train_start
-    if args.save:
-        save_checkpoint(run, args.save)
-    val_loss = evaluate(run.model, run.corpus.val, run.tokenizer.pad_id, cfg.train.eval_batch_size,
-                        cfg.train.precision, cfg.data.pad_side)
-    history = run.history
-    summary = {
-        "preset": args.preset,
-        "steps": run.step,
-        "params": run.model.num_params(),
-        "final_loss": history[-1].loss,
-        "val_loss": val_loss,
-        "loss_floor": run.corpus.loss_floor,
-        "gap_to_floor": val_loss - run.corpus.loss_floor,
-        "skipped_steps": sum(r.skipped for r in history),
-        "tokens_per_s": sum(r.tokens for r in history) / max(sum(r.seconds for r in history), 1e-9),
-        "train_s": train_s,
-        "wall_s": time.perf_counter() - start,
-        "precision": cfg.train.precision,
-        "pad_side": cfg.data.pad_side,
-        "accum": cfg.train.accum,
-        "seed": cfg.seed,
-    }
+        rank, _ = init_from_env(cfg.train.device)
+        summary = train_reference(cfg, rank, log=log, **common)
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    elif world > 1:
+        from harness.launch import RankPool
+
+        with RankPool(world, start_method="spawn") as pool:  # one case: a pool would not be reused
+            summary = pool.run(train_on_rank, cfg.to_dict(), {**common, "log": True}, timeout_s=args.timeout)[0]
+    else:
+        summary = train_reference(cfg, log=log, **common)
+
+    summary["preset"] = args.preset
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"val_loss {val_loss:.4f}  loss_floor {run.corpus.loss_floor:.4f}  "
+        print(f"val_loss {summary['val_loss']:.4f}  loss_floor {summary['loss_floor']:.4f}  "
               f"gap {summary['gap_to_floor']:.4f}  {summary['tokens_per_s']:,.0f} tok/s  "
-              f"{run.step} steps in {train_s:.1f}s")
+              f"{summary['steps']} steps in {summary['train_s']:.1f}s")
     return 0
 
 
@@ -99,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--pad-side", choices=PAD_SIDES)
     train.add_argument("--accum", type=int, help="micro-batches per optimizer step")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--world-size", type=int, default=1,
+                       help="data-parallel ranks (gloo on CPU); under torchrun its WORLD_SIZE wins")
+    train.add_argument("--zero", action="store_true", help="shard optimizer state across ranks (ZeRO)")
+    train.add_argument("--timeout", type=float, default=3600, help="seconds before a hung rank is killed")
     train.add_argument("--threads", type=int, default=1, help="torch threads (small models run fastest on 1)")
     train.add_argument("--log-every", type=int, default=50)
     train.add_argument("--save", metavar="DIR", help="write a checkpoint here at the end")

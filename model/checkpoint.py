@@ -1,7 +1,7 @@
 """Checkpoints: everything a run needs to continue exactly as if it had never stopped.
 
 A checkpoint is a directory holding ``state.pt`` (model, optimizer, scheduler, scaler, sampler,
-step, step history, Python/NumPy/torch RNG states) and ``meta.json`` (format, step, the sha256 of
+step, step history, Python/NumPy/torch RNG states of every rank) and ``meta.json`` (format, step, the sha256 of
 ``state.pt``, the run config and the tokenizer's sha256). It is written to a temporary directory
 and renamed into place, so a crash mid-save never leaves a half-written checkpoint under the
 target name. Loading verifies the hash, the config and the tokenizer before touching the run, and
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from model.train import StepRecord
 
@@ -62,9 +63,34 @@ def restore_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _gather_rng_states(run) -> list[dict]:
+    """Every rank's RNG state, in rank order (each rank draws its own dropout masks)."""
+    state = capture_rng_state()
+    if run.world_size == 1:
+        return [state]
+    states = [None] * run.world_size
+    dist.all_gather_object(states, state)
+    return states
+
+
 def save_checkpoint(run, directory) -> Path:
-    """Write the run's full state to ``directory`` atomically; returns the directory."""
+    """Write the run's full state to ``directory`` atomically; returns the directory.
+
+    Under DDP every rank must call it: ZeRO's sharded optimizer state is consolidated on rank 0, the
+    RNG states of all ranks are gathered, and rank 0 alone writes.
+    """
     directory = Path(directory)
+    if hasattr(run.optimizer, "consolidate_state_dict"):  # ZeRO: each rank holds one shard
+        run.optimizer.consolidate_state_dict(to=0)
+    rng_states = _gather_rng_states(run)
+    if run.rank == 0:
+        _write_checkpoint(run, directory, rng_states)
+    if run.world_size > 1:
+        dist.barrier()  # no rank goes on (and maybe loads) before the checkpoint exists
+    return directory
+
+
+def _write_checkpoint(run, directory: Path, rng_states: list[dict]) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -77,12 +103,13 @@ def save_checkpoint(run, directory) -> Path:
         "sampler": run.sampler.state_dict(),
         "step": run.step,
         "history": [r.to_dict() for r in run.history],
-        "rng": capture_rng_state(),
+        "rng": rng_states,
     }
     torch.save(state, tmp / "state.pt")
     meta = {
         "format": FORMAT,
         "step": run.step,
+        "world_size": run.world_size,
         "sha256": _sha256(tmp / "state.pt"),
         "config": run.config.to_dict(),
         "tokenizer_sha256": run.tokenizer.sha256,
@@ -94,7 +121,6 @@ def save_checkpoint(run, directory) -> Path:
         directory.rename(old)
     tmp.rename(directory)
     shutil.rmtree(old, ignore_errors=True)
-    return directory
 
 
 def read_meta(directory) -> dict:
@@ -119,7 +145,10 @@ def _config_mismatch(saved: dict, current: dict, prefix: str = "") -> list[str]:
 
 
 def load_checkpoint(run, directory) -> None:
-    """Restore the run's full state from ``directory``; raises ``CheckpointError`` on any mismatch."""
+    """Restore the run's full state from ``directory``; raises ``CheckpointError`` on any mismatch.
+
+    Under DDP every rank loads the same file and takes its own RNG state from it.
+    """
     directory = Path(directory)
     meta = read_meta(directory)
     if meta.get("format") != FORMAT:
@@ -145,4 +174,4 @@ def load_checkpoint(run, directory) -> None:
     run.sampler.load_state_dict(state["sampler"])
     run.step = state["step"]
     run.history = [StepRecord(**{k: v for k, v in r.items() if k != "tokens_per_s"}) for r in state["history"]]
-    restore_rng_state(state["rng"])
+    restore_rng_state(state["rng"][run.rank])

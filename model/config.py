@@ -103,6 +103,8 @@ class TrainConfig:
     init_scale: float = 2.0**16  # GradScaler's first scale (fp16 only)
     eval_batch_size: int = 64
     device: str = "cpu"
+    world_size: int = 1  # data-parallel ranks; each takes batch_size / world_size documents a step
+    zero: bool = False  # shard optimizer state across ranks (ZeroRedundancyOptimizer)
 
     def __post_init__(self) -> None:
         _require(
@@ -111,9 +113,11 @@ class TrainConfig:
         )
         _require(self.steps >= 1, f"steps must be >= 1, got {self.steps}")
         _require(self.accum >= 1, f"accum must be >= 1, got {self.accum}")
+        _require(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         _require(
-            self.batch_size % self.accum == 0,
-            f"batch_size={self.batch_size} must be divisible by accum={self.accum} (equal micro-batches)",
+            self.batch_size % (self.accum * self.world_size) == 0,
+            f"batch_size={self.batch_size} must be divisible by accum={self.accum} x world_size="
+            f"{self.world_size} (equal micro-batches on every rank)",
         )
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, f"need 0 <= min_lr <= lr and lr > 0, got {self}")
         _require(0 <= self.warmup_steps <= self.steps, f"warmup_steps must be in [0, steps], got {self.warmup_steps}")
@@ -123,7 +127,7 @@ class TrainConfig:
 
     @property
     def micro_batch_size(self) -> int:
-        return self.batch_size // self.accum
+        return self.batch_size // (self.accum * self.world_size)
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,7 @@ PRESETS: dict[str, RunConfig] = {
 def get_preset(name: str) -> RunConfig:
     """The named preset; an unknown name raises ``ValueError`` with the closest match."""
     if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=1)
+        close = difflib.get_close_matches(name.lower(), PRESETS, n=1, cutoff=0.4)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown preset {name!r}{hint} (known: {', '.join(PRESETS)})")
     return PRESETS[name]

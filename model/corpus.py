@@ -91,11 +91,6 @@ class MarkovSource:
     def _index(self) -> dict[str, int]:
         return {w: i for i, w in enumerate(self.words)}
 
-    def fingerprint(self) -> str:
-        """A short hash of everything that defines the source (used to key the tokenizer cache)."""
-        text = repr((self.words, self.start, self.successors, self.weights, self.config.max_words))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
-
 
 def _cdf(weights) -> list[float]:
     out, acc = [], 0.0

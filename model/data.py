@@ -50,7 +50,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     texts = source.sample(cfg.num_docs, seed=cfg.corpus_seed + 1)
     train_texts = [t for t in texts if split_of(t, cfg.val_fraction) == "train"]
     val_texts = [t for t in texts if split_of(t, cfg.val_fraction) == "val"]
-    tok = load_or_train_tokenizer(train_texts, cfg.vocab_size, source.fingerprint())
+    tok = load_or_train_tokenizer(train_texts, cfg.vocab_size)
 
     train_ids, val_ids = tok.encode_batch(train_texts), tok.encode_batch(val_texts)
     too_long = sum(len(ids) > cfg.seq_len for ids in train_ids + val_ids)

@@ -9,7 +9,7 @@ from torch import nn
 
 from model.attention import CausalSelfAttention, build_attention_mask
 from model.config import ModelConfig
-from model.rope import position_ids_from_mask, rope_tables
+from model.rope import position_ids_from_mask, rope_at, rope_tables
 
 
 class KVCache:
@@ -68,8 +68,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, position_ids, attn_mask, cache=None, layer_idx: int = 0):
-        x = x + self.attn(self.ln_1(x), cos, sin, position_ids, attn_mask, cache, layer_idx)
+    def forward(self, x, rope, attn_mask, cache=None, layer_idx: int = 0):
+        x = x + self.attn(self.ln_1(x), rope, attn_mask, cache, layer_idx)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -123,12 +123,10 @@ class GPT(nn.Module):
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask, past_len)
         x = self.drop(self.wte(input_ids))  # (B, T, C)
-        if past_len == 0 and bool(attention_mask.all()):
-            attn_mask = None  # no cache, no padding: plain causal attention (SDPA's fast path)
-        else:
-            attn_mask = build_attention_mask(attention_mask, T, _compute_dtype(x))
+        attn_mask = build_attention_mask(attention_mask, T, _compute_dtype(x))  # None: plain causal
+        rope = rope_at(self.rope_cos, self.rope_sin, position_ids)
         for i, block in enumerate(self.blocks):
-            x = block(x, self.rope_cos, self.rope_sin, position_ids, attn_mask, cache, i)
+            x = block(x, rope, attn_mask, cache, i)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ from torch import nn
 from model.config import TrainConfig
 
 
-def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW with two groups: weight decay on 2-D weight matrices; none on biases, norms and embeddings.
 
     The tied embedding/head matrix is an embedding: decaying it would shrink token vectors.
@@ -25,6 +25,12 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if cfg.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # imports TorchScript; only when used
+
+        # each rank keeps the AdamW state of its shard of the parameters and broadcasts its update
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas,
+                                       eps=cfg.eps)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 

@@ -34,6 +34,7 @@ SEAMS: dict[str, str] = {
     # position: position ids, RoPE, cache offsets
     "model.rope.position_ids_from_mask": "position",
     "model.rope.rope_tables": "position",
+    "model.rope.rope_at": "position",
     "model.rope.apply_rope": "position",
     # model: forward, init, tying, dropout, attention math, KV cache
     "model.attention.attend": "model",
@@ -63,6 +64,13 @@ SEAMS: dict[str, str] = {
     "model.checkpoint.restore_rng_state": "checkpoint",
     "model.checkpoint.save_checkpoint": "checkpoint",
     "model.checkpoint.load_checkpoint": "checkpoint",
+    # distributed: DDP, ZeRO, per-rank seeding, gradient sync
+    "model.distributed.rank_seed": "distributed",
+    "model.distributed.wrap_model": "distributed",
+    "model.distributed.average_gradients_hook": "distributed",
+    "model.distributed.grad_sync_context": "distributed",
+    "model.distributed.global_target_count": "distributed",
+    "model.distributed.mean_over_ranks": "distributed",
     # eval: eval loop, metrics, splits
     "model.corpus.split_of": "eval",
     "model.evaluate.evaluate": "eval",

@@ -3,7 +3,7 @@
 Special ids are fixed by their order: pad=0, bos=1, eos=2, unk=3. ``encode`` wraps a document in
 BOS ... EOS; ``decode`` drops special tokens, so ``decode(encode(text)) == text`` for corpus text.
 Training is deterministic for the same texts, and the result is cached on disk by a key of the
-corpus fingerprint, the vocabulary size and the ``tokenizers`` version.
+training texts' hash, the vocabulary size and the ``tokenizers`` version.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOKENIZER_CACHE_DIR", default))
 
 
-def load_or_train_tokenizer(texts: list[str], vocab_size: int, corpus_key: str) -> Tokenizer:
-    """The cached tokenizer for (corpus, vocab size), training and caching it on first use."""
-    path = cache_dir() / f"tokenizer-{corpus_key}-v{vocab_size}-tk{tokenizers.__version__}.json"
+def load_or_train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """The tokenizer trained on exactly ``texts`` with ``vocab_size``, cached on disk after the first use."""
+    digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+    path = cache_dir() / f"tokenizer-{digest}-v{vocab_size}-tk{tokenizers.__version__}.json"
     if path.exists():
         return Tokenizer.from_json(path.read_text())
     tok = train_tokenizer(texts, vocab_size)

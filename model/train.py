@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from model.data import collate
+from model.distributed import global_target_count, grad_sync_context, mean_over_ranks
 from model.loss import count_targets, lm_loss
 from model.precision import autocast_context
 
@@ -26,7 +27,7 @@ class StepRecord:
     lr: float  # learning rate this step used
     scale: float  # GradScaler scale this step used (1.0 when scaling is off)
     skipped: bool  # the scaler found inf/NaN gradients and skipped the update
-    tokens: int  # real (non-pad) input tokens in the step
+    tokens: int  # real (non-pad) input tokens in the step, on this rank
     seconds: float  # wall time of the step
 
     @property
@@ -49,7 +50,7 @@ def next_micro_batches(run) -> list[dict]:
     ]
 
 
-def forward_loss(model, batch: dict, num_targets: int, precision: str) -> torch.Tensor:
+def forward_loss(model, batch: dict, num_targets: float, precision: str) -> torch.Tensor:
     """Autocast forward of one micro-batch; its share of the window's token-mean loss."""
     with autocast_context(precision, batch["input_ids"].device.type):
         logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
@@ -80,21 +81,24 @@ def optimizer_step(optimizer, scaler, scheduler) -> bool:
 
 
 def train_step(run, micro_batches: list[dict]) -> StepRecord:
-    """One optimizer step over an accumulation window of micro-batches."""
+    """One optimizer step over an accumulation window of micro-batches (this rank's share of it)."""
     start = time.perf_counter()
     tcfg = run.config.train
     lr, scale = run.optimizer.param_groups[0]["lr"], run.scaler.get_scale()
-    num_targets = sum(count_targets(b["labels"]) for b in micro_batches)
+    local_targets = sum(count_targets(b["labels"]) for b in micro_batches)
+    # DDP averages gradients over ranks, so each rank normalizes by its equal share of the global count.
+    per_rank_targets = global_target_count(local_targets, tcfg.device) / run.world_size
     loss = 0.0
-    for batch in micro_batches:
-        micro_loss = forward_loss(run.model, batch, num_targets, tcfg.precision)
-        run.scaler.scale(micro_loss).backward()
+    for i, batch in enumerate(micro_batches):
+        with grad_sync_context(run.train_model, sync=i == len(micro_batches) - 1):
+            micro_loss = forward_loss(run.train_model, batch, per_rank_targets, tcfg.precision)
+            run.scaler.scale(micro_loss).backward()
         loss += micro_loss.item()
     grad_norm = clip_gradients(run.model, run.optimizer, run.scaler, tcfg.grad_clip)
     skipped = optimizer_step(run.optimizer, run.scaler, run.scheduler)
     record = StepRecord(
-        step=run.step, loss=loss, grad_norm=grad_norm, lr=lr, scale=scale, skipped=skipped,
-        tokens=int(sum(b["attention_mask"].sum() for b in micro_batches)),
+        step=run.step, loss=mean_over_ranks(loss, tcfg.device), grad_norm=grad_norm, lr=lr, scale=scale,
+        skipped=skipped, tokens=int(sum(b["attention_mask"].sum() for b in micro_batches)),
         seconds=time.perf_counter() - start,
     )
     run.step += 1

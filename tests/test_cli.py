@@ -45,6 +45,26 @@ def test_seams_json_lists_every_seam():
     assert all(r["file"].startswith("model/") and r["line"] > 0 for r in rows)
 
 
+def _last_json(argv: list[str]) -> dict:
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [[sys.executable, "-m", "harness"],
+     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "harness"]],
+    ids=["world-size-flag", "torchrun"],
+)
+def test_two_rank_training_matches_single_process(launcher):
+    # Two ranks on the same global batch reach the single-process model up to float noise.
+    args = ["train", "--steps", "6", "--json"]
+    single = _last_json([sys.executable, "-m", "harness", *args])
+    ddp = _last_json([*launcher, *args, "--world-size", "2"])
+    assert ddp["world_size"] == 2 and ddp["steps"] == 6
+    assert ddp["val_loss"] == pytest.approx(single["val_loss"], abs=1e-4)
+
+
 @pytest.mark.parametrize("argv", [["train", "--precision", "fp8"], ["train", "--preset", "tinny"]])
 def test_argparse_rejects_unknown_choices(argv):
     with pytest.raises(SystemExit):
