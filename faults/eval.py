@@ -1,0 +1,1 @@
+"""Faults in the `eval` subsystem."""

@@ -1,0 +1,1 @@
+"""Faults in the `precision` subsystem."""

@@ -1,0 +1,60 @@
+"""Registry hygiene, the unknown-id error, and the diff of every fault."""
+
+import inspect
+import re
+
+import pytest
+
+from faults.inject import diff, fault_function_source, seam_function_source
+from faults.registry import SUBSYSTEMS, TRIGGERS, FaultError, all_faults, get_fault
+from model.seams import SEAMS
+
+FAULTS = all_faults()
+FAULT_IDS = sorted(FAULTS)
+
+
+def test_ids_are_unique_snake_case_and_match_their_key():
+    for key, spec in FAULTS.items():
+        assert key == spec.id and spec.id.isidentifier() and spec.id == spec.id.lower()
+
+
+@pytest.mark.parametrize("fault_id", FAULT_IDS)
+def test_metadata_is_complete(fault_id):
+    spec = FAULTS[fault_id]
+    assert spec.subsystem in SUBSYSTEMS and set(spec.also_acceptable) <= set(SUBSYSTEMS)
+    assert spec.seams and all(s in SEAMS for s in spec.seams)
+    assert spec.trigger in TRIGGERS and spec.symptoms
+    assert all(len(x) > 20 for x in (spec.title, spec.explanation, spec.fix))
+    assert spec.references and all(r.strip() for r in spec.references)
+    assert set(spec.replacements) == set(spec.seams)
+
+
+@pytest.mark.parametrize("fault_id", FAULT_IDS)
+def test_diff_touches_only_the_fault_seams_and_not_their_signature(fault_id):
+    spec = FAULTS[fault_id]
+    text = diff(fault_id)
+    assert text.strip(), "empty diff: the fault changes nothing"
+    headers = [line for line in text.splitlines() if line.startswith("+++ ")]
+    assert [h.split("(")[-1].rstrip(")") for h in headers] == list(spec.seams)
+    for seam, fn in spec.replacements.items():
+        clean, faulty = seam_function_source(seam), fault_function_source(seam, fn)
+        assert clean != faulty
+        # the signature is copied verbatim: the diff shows the bug, not a reformatted header
+        assert clean.split(":\n", 1)[0] == faulty.split(":\n", 1)[0], f"{seam}: the signature line changed"
+
+
+@pytest.mark.parametrize("fault_id", FAULT_IDS)
+def test_spliced_function_hides_the_fault(fault_id):
+    spec = FAULTS[fault_id]
+    for seam, fn in spec.replacements.items():
+        text = fault_function_source(seam, fn)
+        assert not re.search(r"\bfault|inject", text, re.IGNORECASE)
+        assert inspect.getdoc(fn) not in text  # the explanation stays in the registry
+
+
+def test_unknown_id_suggests_the_closest():
+    some_id = FAULT_IDS[0]
+    with pytest.raises(FaultError, match=rf"did you mean '{some_id}'"):
+        get_fault(some_id[:-1] + "x")
+    with pytest.raises(FaultError, match="unknown fault id"):
+        get_fault("no_such_thing_at_all")

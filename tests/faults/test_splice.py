@@ -1,0 +1,69 @@
+"""The spliced copy of model/ is a runnable broken reference that reproduces the injected run exactly."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from faults.inject import injected, render_tree
+from faults.registry import all_faults
+from harness.scenario import run_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+FAULTS = all_faults()
+# DDP cases run in the rank pool, which the spliced subprocess would have to start anew (~6 s each)
+SPLICE_IDS = sorted(f for f, spec in FAULTS.items() if spec.manifest.scenario != "ddp")
+
+
+def _spliced_outcome(tmp_path, fault_id) -> dict:
+    m = FAULTS[fault_id].manifest
+    tree = render_tree(tmp_path / "copy", [fault_id])
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.scenario", m.scenario, str(m.steps), str(m.seeds[0]), json.dumps(m.variant)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fault_id", SPLICE_IDS)
+def test_spliced_copy_reproduces_the_injected_run(tmp_path, fault_id):
+    m = FAULTS[fault_id].manifest
+    injected_out = run_scenario(m.scenario, m.variant, m.steps, m.seeds[0], (fault_id,)).to_dict()
+    spliced = _spliced_outcome(tmp_path, fault_id)
+    if injected_out["crash"]:
+        assert spliced["crash"]["type"] == injected_out["crash"]["type"]
+        assert spliced["crash"]["step"] == injected_out["crash"]["step"]
+    else:
+        assert spliced["crash"] is None, spliced["crash"]
+    assert len(spliced["losses"]) == len(injected_out["losses"])
+    finite = [(a, b) for a, b in zip(spliced["losses"], injected_out["losses"], strict=True) if a == a and b == b]
+    assert all(abs(a - b) <= 1e-6 for a, b in finite)
+
+
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
+def test_spliced_tree_has_no_trace_of_the_machinery(tmp_path, fault_id):
+    tree = render_tree(tmp_path / "copy", [fault_id])
+    for path in (tree / "model").rglob("*.py"):
+        text = path.read_text()
+        assert fault_id not in text
+        assert not re.search(r"\bfaults?\b|inject", text, re.IGNORECASE), path
+
+
+def test_injection_is_undone_on_exit():
+    import model.loss
+
+    before = model.loss.lm_loss.__code__
+    with injected(*sorted(FAULTS)[:1]):
+        pass
+    assert model.loss.lm_loss.__code__ is before
+    fid = next(f for f, s in FAULTS.items() if "model.loss.lm_loss" in s.seams)
+    with injected(fid):
+        assert model.loss.lm_loss.__code__ is not before
+        assert model.loss.lm_loss.__code__.co_filename == model.loss.__file__
+    assert model.loss.lm_loss.__code__ is before
