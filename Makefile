@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch is installed first and pinned for every later install, so pip can never swap in another build.
 TORCH  := torch==2.13.0
 
-.PHONY: setup test bench perf lint clean
+.PHONY: setup test bench perf faults-report mutation lint clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,14 @@ bench: setup
 perf: setup
 	$(PY) -m benchmarks.perf
 	$(PY) -m benchmarks.dist_startup
+
+# Every fault's manifest, run and tabulated with its evidence: results/faults.md.
+faults-report: setup
+	$(PY) -m harness.fault_report
+
+# Not part of CI: tests/model once per fault (~15 s each); writes results/mutation.md.
+mutation: setup
+	$(PY) -m harness.mutation
 
 lint: setup
 	$(PY) -m ruff check .

@@ -21,12 +21,13 @@ from model.seams import SEAMS, SUBSYSTEMS, resolve
 
 TRIGGERS = ("always", "rare-batch", "after-step", "on-resume", "multi-rank", "amp-only", "eval-only")
 SYMPTOMS = (
-    "crash-shape", "crash-dtype", "crash-index", "nan", "divergence", "stall", "silent-quality",
+    # crash-state: an object in an invalid state (None where a tensor was expected, a scaler used twice)
+    "crash-shape", "crash-dtype", "crash-index", "crash-state", "nan", "divergence", "stall", "silent-quality",
     "eval-metric", "desync", "hang",
     # performance faults break no number but waste the machine
     "slowdown", "memory-growth",
 )
-SCENARIOS = ("train", "resume", "generate", "ddp", "memory")
+SCENARIOS = ("train", "resume", "generate", "ddp", "ddp_resume")
 BUILTIN_MODULES = (
     "faults.data", "faults.collate", "faults.mask", "faults.position", "faults.model", "faults.loss",
     "faults.optimizer", "faults.precision", "faults.checkpoint", "faults.distributed", "faults.eval",

@@ -71,6 +71,78 @@ def _seams(args) -> int:
     return 0
 
 
+def _load_plugins(args) -> None:
+    from faults.registry import load_plugin
+
+    for plugin in getattr(args, "plugin", None) or ():
+        load_plugin(plugin)
+
+
+def _faults(args) -> int:
+    from faults.registry import all_faults
+
+    _load_plugins(args)
+    faults = [f for f in all_faults().values() if args.subsystem in (None, f.subsystem)]
+    if args.json:
+        print(json.dumps([f.metadata() for f in faults], indent=2))
+        return 0
+    for f in sorted(faults, key=lambda f: (f.subsystem, f.id)):
+        print(f"{f.subsystem:<11} {f.id:<36} {f.trigger:<11} {','.join(f.symptoms):<22} {f.title}")
+    print(f"{len(faults)} faults")
+    return 0
+
+
+def _show(args) -> int:
+    from faults.inject import diff
+    from faults.registry import get_fault
+
+    _load_plugins(args)
+    spec = get_fault(args.fault_id)
+    meta = spec.metadata()
+    if args.json:
+        print(json.dumps({**meta, "diff": diff(spec.id)}, indent=2))
+        return 0
+    print(f"{spec.id}: {spec.title}")
+    for key in ("subsystem", "also_acceptable", "seams", "trigger", "symptoms"):
+        value = meta[key]
+        print(f"  {key:<16} {', '.join(value) if isinstance(value, (list, tuple)) else value}")
+    print(f"\nwhat is wrong:\n  {spec.explanation}\n\nfix:\n  {spec.fix}\n\nmodels:")
+    for ref in spec.references:
+        print(f"  - {ref}")
+    print("\n" + diff(spec.id))
+    return 0
+
+
+def _run(args) -> int:
+    from faults.registry import get_fault
+    from harness.faulty_run import compare, describe
+
+    torch.set_num_threads(1)
+    _load_plugins(args)
+    for fault_id in args.fault:
+        get_fault(fault_id)  # unknown ids fail here, with a suggestion
+    variant = {"train": {}, "data": {}}
+    if args.precision:
+        variant["train"]["precision"] = args.precision
+    if args.pad_side:
+        variant["data"]["pad_side"] = args.pad_side
+    if args.accum:
+        variant["train"]["accum"] = args.accum
+    clean, faulty, report = compare(args.fault, variant, args.steps, args.seed, args.world_size,
+                                    tuple(args.plugin or ()), args.preset)
+    if args.plot:
+        from harness.plot import plot_runs
+
+        plot_runs({"clean": clean, "faulty": faulty}, args.plot, title=", ".join(args.fault))
+        report["plot"] = args.plot
+    if args.json:
+        print(describe(report), file=sys.stderr)
+        print(json.dumps(report, default=str))
+    else:
+        print(describe(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="faultbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +168,32 @@ def build_parser() -> argparse.ArgumentParser:
     seams = sub.add_parser("seams", help="list every seam of the reference with its subsystem and file:line")
     seams.add_argument("--json", action="store_true")
     seams.set_defaults(func=_seams)
+
+    faults = sub.add_parser("faults", help="list the registered faults")
+    faults.add_argument("--subsystem")
+    faults.add_argument("--plugin", action="append", help="load faults from a .py file or module (repeatable)")
+    faults.add_argument("--json", action="store_true")
+    faults.set_defaults(func=_faults)
+
+    show = sub.add_parser("show", help="a fault's metadata and its diff against the clean seam")
+    show.add_argument("fault_id")
+    show.add_argument("--plugin", action="append")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=_show)
+
+    run = sub.add_parser("run", help="train with faults injected, next to the clean run, and report")
+    run.add_argument("--fault", action="append", required=True, help="fault id (repeatable)")
+    run.add_argument("--plugin", action="append", help="load faults from a .py file or module (repeatable)")
+    run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    run.add_argument("--steps", type=int, default=100)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--precision", choices=PRECISIONS)
+    run.add_argument("--pad-side", choices=PAD_SIDES)
+    run.add_argument("--accum", type=int)
+    run.add_argument("--world-size", type=int, default=1, choices=(1, 2))
+    run.add_argument("--plot", metavar="FILE.png", help="draw loss, grad norm, LR, scale, tokens/s: faulty vs clean")
+    run.add_argument("--json", action="store_true", help="last stdout line is a JSON report")
+    run.set_defaults(func=_run)
     return parser
 
 

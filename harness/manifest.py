@@ -159,6 +159,49 @@ def grad_norm_ratio(clean, faulty, min_ratio, max_ratio, step=0):
     return min_ratio <= ratio <= max_ratio, f"grad norm x{ratio:.3f} of clean at step {step}"
 
 
+@_pairs
+def lr_ratio(clean, faulty, min_ratio, max_ratio, step=0):
+    """The learning rate used at ``step`` is ``min_ratio``..``max_ratio`` times the clean one."""
+    if (bad := _clean_ok(clean)):
+        return False, bad
+    if faulty.crash:
+        return False, f"faulty crashed instead: {faulty.crash['type']}"
+    ratio = faulty.lrs[step] / clean.lrs[step]
+    return min_ratio <= ratio <= max_ratio, f"lr x{ratio:.3f} of clean at step {step} ({faulty.lrs[step]:.2e})"
+
+
+@_pairs
+def skipped_steps(clean, faulty, faulty_min, clean_max=0):
+    """The scaler skips at least ``faulty_min`` optimizer steps in the faulty run, at most ``clean_max`` clean."""
+    if (bad := _clean_ok(clean)):
+        return False, bad
+    if faulty.crash:
+        return False, f"faulty crashed instead: {faulty.crash['type']}"
+    a, b = sum(faulty.skipped), sum(clean.skipped)
+    return a >= faulty_min and b <= clean_max, f"{a}/{len(faulty.skipped)} steps skipped vs clean {b}"
+
+
+@_pairs
+def crash_after_gap(clean, faulty, types=("RuntimeError",), seam=None, min_step=1, min_gap=0.2, window=10):
+    """Two symptoms of one cause: over the ``window`` steps before it crashes, the faulty train loss runs
+    ``min_gap`` above the clean one (same steps), then it raises one of ``types`` (from ``seam`` if given)
+    at step >= ``min_step``."""
+    if (bad := _clean_ok(clean)):
+        return False, bad
+    c = faulty.crash
+    if c is None:
+        return False, "no crash"
+    k = min(len(faulty.losses), len(clean.losses))
+    if k == 0:
+        return False, f"{c['type']} at step {c['step']}, before any step to compare"
+    lo = max(0, k - window)
+    gap = statistics.fmean(faulty.losses[lo:k]) - statistics.fmean(clean.losses[lo:k])
+    crashed = c["type"] in types and (seam is None or seam in c["seams"]) and (c["step"] or 0) >= min_step
+    return crashed and gap >= min_gap, (f"train loss {gap:+.3f} vs clean over steps {lo}-{k - 1}, then {c['type']} "
+                                        f"at step {c['step']} in {c['seams'][-1] if c['seams'] else '?'}: "
+                                        f"{c['message'][:100]}")
+
+
 # one-sided 5% critical values of Student's t for n - 1 degrees of freedom
 _T_CRIT = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
 
@@ -186,7 +229,8 @@ CHECKS = {
     "metric_differs": metric_differs, "extra_at_least": extra_at_least, "extra_at_most": extra_at_most,
     "stall": stall, "same_loss_more_compute": same_loss_more_compute,
     "same_loss_graphs_retained": same_loss_graphs_retained, "paired_gap": paired_gap,
-    "grad_norm_ratio": grad_norm_ratio,
+    "grad_norm_ratio": grad_norm_ratio, "lr_ratio": lr_ratio, "skipped_steps": skipped_steps,
+    "crash_after_gap": crash_after_gap,
 }
 
 

@@ -2,12 +2,18 @@
 
 A scenario is a recipe a debugging engineer would run to reproduce a symptom:
 - ``train``: train N steps, evaluate; records per-step metrics, the batch shapes the model saw, a
-  crash with the seams on its traceback, the first non-finite step, graphs left alive, split overlap;
+  crash with the seams on its traceback, the first non-finite step, graphs left alive, split overlap,
+  the share of exactly-zero entries in the first step's gradients, the number of distinct parameters;
 - ``resume``: train N steps uninterrupted, and again with a save/load at N/2; records how far the
   resumed run strays from the uninterrupted one (the clean reference: not at all);
 - ``generate``: train N steps, then decode left-padded prompts with the KV cache and compare with
-  uncached full forwards; records the logit gap and greedy agreement;
-- ``ddp``: train N steps on 2 ranks (the rank pool); records rank disagreement and per-rank histories.
+  uncached full forwards; records the logit gap and greedy agreement, and two invariance probes of
+  the trained model: each prompt alone vs in the left-padded batch (pad_logit_gap), and every position
+  shifted by the same amount (rope_shift_gap; RoPE is relative, so zero up to rounding);
+- ``ddp``: train N steps on 2 ranks (the rank pool); records rank disagreement (parameters, losses,
+  grad norms, whether the ranks trained on the same batches) and per-rank histories;
+- ``ddp_resume``: ``ddp`` uninterrupted, and again saved at N/2 and resumed on every rank; records the
+  rank disagreement of the resumed run and how far it strays from the uninterrupted one.
 A crash is an outcome, never an exception out of ``run_scenario``.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 import tempfile
 import traceback
 import warnings
@@ -93,11 +100,24 @@ def _train(cfg: RunConfig, out: Outcome, until: int | None = None, run=None):
         step = run.step
         handle = run.model.register_forward_pre_hook(
             lambda module, args: out.batch_shapes.append(tuple(args[0].shape)) if module.training else None)
+        # exactly-zero entries of the first step's gradients (fp16 underflow flushes small ones to zero)
+        zeros = [0, 0]
+
+        def count_zeros(grad):
+            zeros[0] += int((grad == 0).sum())
+            zeros[1] += grad.numel()
+
+        grad_hooks = [p.register_hook(count_zeros) for p in run.model.parameters() if p.requires_grad]
 
         def record(run, rec):
             nonlocal step
             step = run.step
-            out.losses.append(rec.loss)
+            if grad_hooks:
+                for h in grad_hooks:
+                    h.remove()
+                grad_hooks.clear()
+                out.extra["grad_zero_fraction"] = zeros[0] / max(zeros[1], 1)
+            out.losses.append(float(rec.loss))
             out.grad_norms.append(rec.grad_norm)
             out.lrs.append(rec.lr)
             out.scales.append(rec.scale)
@@ -108,10 +128,13 @@ def _train(cfg: RunConfig, out: Outcome, until: int | None = None, run=None):
             train(run, until, on_step=record)
         finally:
             handle.remove()
+            for h in grad_hooks:
+                h.remove()
         out.val_loss = evaluate(run.model, run.corpus.val, run.tokenizer.pad_id, cfg.train.eval_batch_size,
                                 cfg.train.precision, cfg.data.pad_side)
         train_docs = set(run.corpus.train)
         out.extra["val_docs_in_train"] = sum(doc in train_docs for doc in run.corpus.val)
+        out.extra["num_params"] = run.model.num_params()  # distinct parameters: a tied matrix counts once
         return run
     except Exception as exc:  # the crash is the outcome
         out.crash = _crash(exc, step)
@@ -174,38 +197,71 @@ def _scenario_generate(cfg: RunConfig, steps: int) -> Outcome:
     new = 12
     try:
         with torch.no_grad():
-            cached = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=new)
+            step_logits = []  # what each cached forward of generate() returned
+            hook = model.register_forward_hook(lambda module, args, output: step_logits.append(output[:, -1]))
+            try:
+                cached = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=new)
+            finally:
+                hook.remove()
             # the same tokens, scored without the cache: one full forward over prompt + generated
             mask = torch.cat([batch["attention_mask"], torch.ones(len(prompts), new, dtype=torch.long)], 1)
             full_logits = model(cached, mask)[:, batch["input_ids"].shape[1] - 1 : -1]
             greedy_full = full_logits.argmax(-1)
+            cached_gap = (torch.stack(step_logits, 1).float() - full_logits.float()).abs().max().item()
+            # padding invariance: each prompt alone vs its row of the left-padded batch (real columns)
+            padded = model(batch["input_ids"], batch["attention_mask"])
+            pad_gap = max((model(torch.tensor([p]))[0] - padded[i, -len(p):]).abs().max().item()
+                          for i, p in enumerate(prompts))
+            # RoPE is relative: shifting every position by the same amount leaves the logits unchanged
+            positions = mask.cumsum(-1) - 1
+            shifted = model(cached, mask, positions.clamp(min=0) + 8)
+            real = mask.bool()
+            shift_gap = (shifted - model(cached, mask, positions.clamp(min=0)))[real].abs().max().item()
     except Exception as exc:
         out.crash = _crash(exc, run.step)
         return out
     generated = cached[:, batch["input_ids"].shape[1]:]
     out.extra["greedy_agreement"] = float((generated == greedy_full).float().mean())
+    out.extra["cached_logit_gap"] = cached_gap  # max |cached decode logits - uncached logits|
+    out.extra["pad_logit_gap"] = pad_gap  # max |logits alone - logits in a left-padded batch|
+    out.extra["rope_shift_gap"] = shift_gap  # max |logits at positions + 8 - logits at positions|
     return out
 
 
-def _scenario_ddp(cfg: RunConfig, steps: int, fault_ids: tuple[str, ...], plugins: tuple[str, ...], pool) -> Outcome:
+def _run_ranks(pool, cfg: RunConfig, fault_ids, plugins, **train_kwargs) -> tuple[list[dict], dict | None]:
+    """``ddp_case`` on every rank: the ranks' results and the first crash among them (None if none)."""
+    ranks = pool.run(ddp_case, cfg.to_dict(), fault_ids, plugins, train_kwargs, timeout_s=120)
+    return ranks, next((r["crash"] for r in ranks if r.get("crash")), None)
+
+
+def _scenario_ddp(cfg: RunConfig, steps: int, fault_ids: tuple[str, ...], plugins: tuple[str, ...], pool,
+                  resume: bool = False) -> Outcome:
     from harness.launch import RankFailure, RankPool
 
     out = Outcome()
     cfg = cfg.replace(train={"world_size": 2})
     own_pool = pool is None
     pool = pool or RankPool(2)
+    whole = None
     try:
-        ranks = pool.run(ddp_case, cfg.to_dict(), fault_ids, plugins, timeout_s=120)
+        ranks, crash = _run_ranks(pool, cfg, fault_ids, plugins)
+        if resume and crash is None:  # the same run again, saved at N/2 and resumed on every rank
+            whole = ranks
+            with tempfile.TemporaryDirectory() as tmp:
+                ckpt = str(Path(tmp) / "ckpt")
+                ranks, crash = _run_ranks(pool, cfg, fault_ids, plugins, until=steps // 2, save=ckpt)
+                if crash is None:
+                    ranks, crash = _run_ranks(pool, cfg, fault_ids, plugins, resume=ckpt)
     except RankFailure as exc:
         out.crash = {"type": "RankFailure", "message": str(exc)[:500], "step": None, "seams": []}
         return out
     finally:
         if own_pool:
             pool.close()
-    first = ranks[0]
-    if first.get("crash"):
-        out.crash = first["crash"]
+    if crash:
+        out.crash = crash
         return out
+    first = ranks[0]
     out.losses = [r["loss"] for r in first["history"]]
     out.grad_norms = [r["grad_norm"] for r in first["history"]]
     out.val_loss = first["val_loss"]
@@ -213,21 +269,48 @@ def _scenario_ddp(cfg: RunConfig, steps: int, fault_ids: tuple[str, ...], plugin
                                        for k in ranks[0]["state"])
     out.extra["rank_loss_diff"] = max(abs(a["loss"] - b["loss"]) for a, b in
                                       zip(ranks[0]["history"], ranks[1]["history"], strict=True))
+    out.extra["rank_grad_norm_diff"] = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in
+                                           zip(ranks[0]["history"], ranks[1]["history"], strict=True))
+    # share of training forwards in which both ranks were fed the very same batch (disjoint shards: 0)
+    same = [a == b for a, b in zip(ranks[0]["batches"], ranks[1]["batches"], strict=True)]
+    out.extra["rank_batches_identical"] = sum(same) / max(len(same), 1)
+    if whole is not None:
+        before, after = whole[0]["history"], first["history"]
+        n = min(len(before), len(after))
+        out.extra["resume_loss_diff"] = max((abs(a["loss"] - b["loss"]) for a, b in
+                                             zip(before[:n], after[:n], strict=True)), default=0.0)
+        out.extra["resume_steps"] = (len(before), len(after))
+        out.extra["resume_val_diff"] = abs(whole[0]["val_loss"] - first["val_loss"])
     return out
 
 
-def ddp_case(rank: int, cfg_dict: dict, fault_ids: tuple[str, ...], plugins: tuple[str, ...]) -> dict:
-    """Pool entry: train with the faults injected on this rank; a crash is returned, not raised."""
+def ddp_case(rank: int, cfg_dict: dict, fault_ids: tuple[str, ...], plugins: tuple[str, ...],
+             train_kwargs: dict | None = None) -> dict:
+    """Pool entry: train with the faults injected on this rank; a crash is returned, not raised.
+
+    ``train_kwargs`` go to ``train_reference`` (``until``, ``save``, ``resume``). The result holds a digest
+    of every batch this rank trained on, to compare the ranks' shards.
+    """
+    import hashlib
+
     from faults.registry import load_plugin
     from harness.training import train_reference
+    from model.gpt import GPT
 
     for plugin in plugins:
         load_plugin(plugin)
+    batches = []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: batches.append(hashlib.sha1(args[0].cpu().numpy().tobytes()).hexdigest())
+        if isinstance(module, GPT) and module.training else None)
     with injected(*fault_ids):
         try:
-            return train_reference(RunConfig.from_dict(cfg_dict), rank, with_params=True)
+            summary = train_reference(RunConfig.from_dict(cfg_dict), rank, with_params=True, **(train_kwargs or {}))
         except Exception as exc:
             return {"crash": _crash(exc, None)}
+        finally:
+            handle.remove()
+    return {**summary, "batches": batches}
 
 
 def run_scenario(scenario: str, variant: dict, steps: int, seed: int, fault_ids=(), plugins=(), pool=None,
@@ -235,9 +318,10 @@ def run_scenario(scenario: str, variant: dict, steps: int, seed: int, fault_ids=
     """Run ``scenario`` on the ``variant`` config with ``fault_ids`` injected (none: the clean run)."""
     cfg = scenario_config(variant, steps, seed, preset)
     fault_ids = tuple(fault_ids)
-    if scenario == "ddp":
-        return _scenario_ddp(cfg, steps, fault_ids, tuple(plugins), pool)
+    if scenario in ("ddp", "ddp_resume"):
+        return _scenario_ddp(cfg, steps, fault_ids, tuple(plugins), pool, resume=scenario == "ddp_resume")
     runner = {"train": _scenario_train, "resume": _scenario_resume, "generate": _scenario_generate}[scenario]
+    random.seed(seed)  # deterministic even where the code under test draws from Python's global RNG
     with injected(*fault_ids):
         return runner(cfg, steps)
 

@@ -11,6 +11,6 @@ FAULT_IDS = sorted(all_faults())
 @pytest.mark.parametrize("fault_id", FAULT_IDS)
 def test_fault_manifests(fault_id, clean_cache, request):
     spec = all_faults()[fault_id]
-    pool = request.getfixturevalue("fault_pool") if spec.manifest.scenario == "ddp" else None
+    pool = request.getfixturevalue("fault_pool") if spec.manifest.scenario.startswith("ddp") else None
     ok, evidence = prove(fault_id, pool=pool, clean_cache=clean_cache)
     assert ok, f"{fault_id} did not manifest: {evidence}"

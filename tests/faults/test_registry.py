@@ -58,3 +58,13 @@ def test_unknown_id_suggests_the_closest():
         get_fault(some_id[:-1] + "x")
     with pytest.raises(FaultError, match="unknown fault id"):
         get_fault("no_such_thing_at_all")
+
+
+def test_every_subsystem_has_at_least_three_faults():
+    counts = {s: sum(f.subsystem == s for f in FAULTS.values()) for s in SUBSYSTEMS}
+    assert min(counts.values()) >= 3, counts
+    assert len(FAULTS) >= 45
+
+
+def test_intermittent_triggers_are_represented():
+    assert sum(f.trigger != "always" for f in FAULTS.values()) >= 8

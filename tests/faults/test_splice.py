@@ -16,7 +16,7 @@ from harness.scenario import run_scenario
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = all_faults()
 # DDP cases run in the rank pool, which the spliced subprocess would have to start anew (~6 s each)
-SPLICE_IDS = sorted(f for f, spec in FAULTS.items() if spec.manifest.scenario != "ddp")
+SPLICE_IDS = sorted(f for f, spec in FAULTS.items() if not spec.manifest.scenario.startswith("ddp"))
 
 
 def _spliced_outcome(tmp_path, fault_id) -> dict:
@@ -53,6 +53,17 @@ def test_spliced_tree_has_no_trace_of_the_machinery(tmp_path, fault_id):
         text = path.read_text()
         assert fault_id not in text
         assert not re.search(r"\bfaults?\b|inject", text, re.IGNORECASE), path
+
+
+def test_traceback_names_the_seam_not_the_fault_module():
+    crashing = [f for f, spec in FAULTS.items()
+                if spec.manifest.check.startswith("crash") and not spec.manifest.scenario.startswith("ddp")]
+    assert crashing, "no crash fault registered"
+    for fault_id in crashing:
+        m = FAULTS[fault_id].manifest
+        out = run_scenario(m.scenario, m.variant, m.steps, m.seeds[0], (fault_id,))
+        assert out.crash, fault_id
+        assert "faults/" not in out.crash["traceback"] and 'File "' + str(ROOT / "model") in out.crash["traceback"]
 
 
 def test_injection_is_undone_on_exit():

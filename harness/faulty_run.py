@@ -1,0 +1,51 @@
+"""`faultbench run`: train with faults injected next to the clean run and say what happened."""
+
+from __future__ import annotations
+
+import math
+
+from harness.scenario import Outcome, run_scenario
+
+
+def compare(fault_ids, variant: dict, steps: int, seed: int, world_size: int = 1, plugins=(),
+            preset: str = "tiny") -> tuple[Outcome, Outcome, dict]:
+    """Run clean and faulty on the same seed; return both outcomes and a JSON-able report."""
+    scenario = "ddp" if world_size > 1 else "train"
+    clean = run_scenario(scenario, variant, steps, seed, preset=preset)
+    faulty = run_scenario(scenario, variant, steps, seed, fault_ids, plugins, preset=preset)
+    report = {
+        "faults": list(fault_ids),
+        "steps": steps,
+        "seed": seed,
+        "variant": variant,
+        "crash": None if faulty.crash is None else {k: v for k, v in faulty.crash.items() if k != "traceback"},
+        "crash_frame": faulty.crash["seams"][-1] if faulty.crash and faulty.crash["seams"] else None,
+        "nan_step": faulty.nan_step,
+        "final_loss": faulty.final_loss() if faulty.losses else None,
+        "clean_final_loss": clean.final_loss() if clean.losses else None,
+        "val_loss": faulty.val_loss,
+        "clean_val_loss": clean.val_loss,
+        "eval_gap": None if faulty.val_loss is None or clean.val_loss is None else faulty.val_loss - clean.val_loss,
+        "skipped_steps": sum(faulty.skipped),
+        "clean_skipped_steps": sum(clean.skipped),
+    }
+    return clean, faulty, report
+
+
+def describe(report: dict) -> str:
+    """Plain-language summary of a report, the way a colleague would describe the run."""
+    lines = [f"faults: {', '.join(report['faults'])}  ({report['steps']} steps, seed {report['seed']})"]
+    if report["crash"]:
+        c = report["crash"]
+        lines.append(f"CRASH at step {c['step']}: {c['type']}: {c['message'][:200]}")
+        lines.append(f"  innermost reference frame: {report['crash_frame']}")
+    if report["nan_step"] is not None:
+        lines.append(f"loss became non-finite at step {report['nan_step']}")
+    if report["final_loss"] is not None:
+        lines.append(f"final train loss {report['final_loss']:.4f} vs clean {report['clean_final_loss']:.4f}")
+    if report["eval_gap"] is not None and math.isfinite(report["eval_gap"]):
+        lines.append(f"val loss {report['val_loss']:.4f} vs clean {report['clean_val_loss']:.4f} "
+                     f"(gap {report['eval_gap']:+.4f})")
+    if report["skipped_steps"] or report["clean_skipped_steps"]:
+        lines.append(f"skipped steps {report['skipped_steps']} vs clean {report['clean_skipped_steps']}")
+    return "\n".join(lines)

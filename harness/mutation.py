@@ -1,0 +1,78 @@
+"""Mutation score: run the unit tests (tests/model) once per fault, injected; which faults do they kill?
+
+    python -m harness.mutation [--tests tests/model] [--out results/mutation.md] [--fault ID ...]
+
+A fault is killed when the suite fails with it injected (and passes clean). Survivors are the gaps a
+careful engineer would close with a regression test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+
+from faults.registry import all_faults
+from harness.atomic import write_text
+
+
+def run_suite(tests: str, fault_id: str | None, timeout_s: float = 900) -> tuple[str, list[str], float]:
+    """("killed" | "survived" | "timeout", failing test ids, seconds)."""
+    cmd = [sys.executable, "-m", "pytest", tests, "-q", "-n", "2", "-p", "no:cacheprovider", "--tb=no"]
+    if fault_id:
+        cmd += ["--inject-fault", fault_id]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "timeout", [], time.perf_counter() - start
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.MULTILINE)
+    status = "survived" if proc.returncode == 0 else "killed"
+    return status, failed, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tests", default="tests/model")
+    parser.add_argument("--out", default="results/mutation.md")
+    parser.add_argument("--fault", action="append", help="only these faults (default: all)")
+    args = parser.parse_args(argv)
+
+    baseline, failed, _ = run_suite(args.tests, None)
+    if baseline != "survived":
+        print(f"the clean suite fails ({failed[:5]}); fix it before scoring mutations", file=sys.stderr)
+        return 1
+    faults = all_faults()
+    ids = args.fault or sorted(faults)
+    rows = []
+    for fault_id in ids:
+        status, failed, seconds = run_suite(args.tests, fault_id)
+        rows.append((fault_id, status, failed, seconds))
+        print(f"{status:<9} {fault_id:<40} {len(failed):3d} failing  {seconds:5.1f}s", flush=True)
+    killed = sum(status != "survived" for _, status, _, _ in rows)
+    lines = [
+        "# Mutation score of the unit tests",
+        "",
+        f"`python -m harness.mutation` (`make mutation`): `{args.tests}` run once per fault, injected with "
+        "`pytest --inject-fault ID`. A fault is *killed* when the suite fails (a timeout counts as killed).",
+        "",
+        f"**{killed}/{len(rows)} faults killed ({100 * killed / max(len(rows), 1):.1f}%).**",
+        "",
+        "| fault | subsystem | trigger | result | failing tests | example |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for fault_id, status, failed, _ in rows:
+        spec = faults[fault_id]
+        example = failed[0].split("::")[-1] if failed else ""
+        lines.append(f"| `{fault_id}` | {spec.subsystem} | {spec.trigger} | {status} | {len(failed)} | {example} |")
+    survivors = [r[0] for r in rows if r[1] == "survived"]
+    lines += ["", "Survivors: " + (", ".join(f"`{s}`" for s in survivors) if survivors else "none."), ""]
+    write_text(args.out, "\n".join(lines))
+    print(f"{killed}/{len(rows)} killed; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

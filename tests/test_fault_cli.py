@@ -1,0 +1,106 @@
+"""The fault-facing command line, plugins, and the pytest --inject-fault option."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from faults.registry import all_faults
+from harness.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PLUGIN = textwrap.dedent('''
+    from faults.registry import Manifest, fault
+    from model.config import TrainConfig
+
+
+    @fault(
+        "plugin_lr_times_100",
+        seam="model.optim.lr_at",
+        title="A plugin fault: the schedule returns a learning rate 100 times too large",
+        subsystem="optimizer",
+        trigger="always",
+        symptoms=("divergence",),
+        explanation="lr_at multiplies the schedule by 100, so AdamW takes steps far too large to converge.",
+        fix="Return the schedule's value as computed.",
+        references=("Karpathy, A Recipe for Training Neural Networks: tune the learning rate",),
+        manifest=Manifest(check="loss_above", steps=40, params={"min_gap": 0.5}),
+    )
+    def lr_at_times_100(step, cfg):
+        """Learning rate 100x the schedule."""
+        import math
+
+        if step < cfg.warmup_steps:
+            return 100 * cfg.lr * (step + 1) / cfg.warmup_steps
+        decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
+        progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+        return 100 * (cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr))
+''')
+
+
+def _cli(*args, check=True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, check=check,
+                          timeout=300, cwd=ROOT)
+
+
+def test_faults_json_lists_the_registry(capsys):
+    assert main(["faults", "--json"]) == 0
+    listed = {f["id"] for f in json.loads(capsys.readouterr().out)}
+    assert listed == set(all_faults())
+
+
+def test_show_prints_metadata_and_diff(capsys):
+    fault_id = sorted(all_faults())[0]
+    assert main(["show", fault_id]) == 0
+    out = capsys.readouterr().out
+    assert fault_id in out and "\n--- a/model/" in out and "\n+++ b/model/" in out
+
+
+def test_unknown_fault_id_suggests_the_closest(capsys):
+    assert main(["show", "label_shift_of_by_one"]) == 2
+    assert "did you mean 'label_shift_off_by_one'" in capsys.readouterr().err
+
+
+def test_run_reports_against_clean_and_plots(tmp_path, capsys):
+    png = tmp_path / "panel.png"
+    assert main(["run", "--fault", "label_shift_off_by_one", "--steps", "30", "--json", "--plot", str(png)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["crash"] is None
+    assert report["final_loss"] < report["clean_final_loss"] - 0.5  # copying is easier than predicting
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plugin_fault_is_listed_run_and_proven_like_any_other(tmp_path):
+    plugin = tmp_path / "my_faults.py"
+    plugin.write_text(PLUGIN)
+    listed = json.loads(_cli("faults", "--json", "--plugin", str(plugin)).stdout)
+    assert "plugin_lr_times_100" in {f["id"] for f in listed}
+    report = json.loads(_cli("run", "--plugin", str(plugin), "--fault", "plugin_lr_times_100", "--steps", "40",
+                             "--json").stdout.strip().splitlines()[-1])
+    assert report["final_loss"] > report["clean_final_loss"] + 0.5
+    proof = subprocess.run(
+        [sys.executable, "-c", f"from faults.registry import load_plugin; load_plugin({str(plugin)!r}); "
+         "from harness.manifest import prove; print(prove('plugin_lr_times_100'))"],
+        capture_output=True, text=True, check=True, cwd=ROOT, timeout=300)
+    assert proof.stdout.startswith("(True")
+
+
+def test_pytest_inject_fault_option_breaks_the_unit_tests():
+    args = [sys.executable, "-m", "pytest", "tests/model/test_label_alignment.py", "-q", "-p", "no:cacheprovider"]
+    assert subprocess.run(args, capture_output=True, cwd=ROOT, timeout=300).returncode == 0
+    faulty = subprocess.run([*args, "--inject-fault", "label_shift_off_by_one"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300)
+    assert faulty.returncode == 1 and "failed" in faulty.stdout
+    unknown = subprocess.run([*args, "--inject-fault", "label_shift"], capture_output=True, text=True, cwd=ROOT,
+                             timeout=300)
+    assert unknown.returncode == 4 and "did you mean 'label_shift_off_by_one'" in unknown.stderr
+
+
+@pytest.mark.parametrize("argv", [["run", "--fault", "nope_not_a_fault", "--steps", "2"]])
+def test_run_with_unknown_fault_is_a_clear_error(argv, capsys):
+    assert main(argv) == 2
+    assert "unknown fault id" in capsys.readouterr().err
