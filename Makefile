@@ -35,7 +35,7 @@ perf: setup
 faults-report: setup
 	$(PY) -m harness.fault_report
 
-# Not part of CI: tests/model once per fault (~15 s each); writes results/mutation.md.
+# Not part of CI: the unit tests once per fault, injected; writes results/mutation.md.
 mutation: setup
 	$(PY) -m harness.mutation
 

@@ -21,8 +21,8 @@ from faults.registry import Manifest, also_replaces, fault
     fix="Use the compute dtype's own finfo(dtype).min and never leave a row fully masked (let each query "
     "see itself), or use a boolean mask.",
     references=(
-        "huggingface/transformers#17937 and related: fp16 NaN from attention mask min value "
-        "(finfo(float32).min cast to half)",
+        "huggingface/transformers PR 'Fix -1e4 as attn mask' (#17306): finfo(fp16).min plus a score below -16 "
+        "overflows to -inf, and a [pad, token] row fully masked by causal + padding softmaxes to NaN",
         "HF modeling_attn_mask_utils: _unmask_unattended exists because fully masked rows NaN in SDPA math",
     ),
     manifest=Manifest(check="nan", steps=5, params={"by_step": 1},

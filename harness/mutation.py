@@ -1,6 +1,8 @@
-"""Mutation score: run the unit tests (tests/model) once per fault, injected; which faults do they kill?
+"""Mutation score: run the reference's unit tests once per fault, injected; which faults do they kill?
 
-    python -m harness.mutation [--tests tests/model] [--out results/mutation.md] [--fault ID ...]
+    python -m harness.mutation [--tests "tests/model tests/distributed"] [--out results/mutation.md] [--fault ID ...]
+
+The suite stops at its first failure (-x): a killed fault needs one failing test, a survivor runs all.
 
 A fault is killed when the suite fails with it injected (and passes clean). Survivors are the gaps a
 careful engineer would close with a regression test.
@@ -20,7 +22,8 @@ from harness.atomic import write_text
 
 def run_suite(tests: str, fault_id: str | None, timeout_s: float = 900) -> tuple[str, list[str], float]:
     """("killed" | "survived" | "timeout", failing test ids, seconds)."""
-    cmd = [sys.executable, "-m", "pytest", tests, "-q", "-n", "2", "-p", "no:cacheprovider", "--tb=no"]
+    cmd = [sys.executable, "-m", "pytest", *tests.split(), "-q", "-x", "-n", "2", "--dist", "loadgroup",
+           "-p", "no:cacheprovider", "--tb=no"]
     if fault_id:
         cmd += ["--inject-fault", fault_id]
     start = time.perf_counter()
@@ -35,7 +38,7 @@ def run_suite(tests: str, fault_id: str | None, timeout_s: float = 900) -> tuple
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tests", default="tests/model")
+    parser.add_argument("--tests", default="tests/model tests/distributed", help="space-separated test paths")
     parser.add_argument("--out", default="results/mutation.md")
     parser.add_argument("--fault", action="append", help="only these faults (default: all)")
     args = parser.parse_args(argv)
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
         "",
         f"**{killed}/{len(rows)} faults killed ({100 * killed / max(len(rows), 1):.1f}%).**",
         "",
-        "| fault | subsystem | trigger | result | failing tests | example |",
+        "| fault | subsystem | trigger | result | failing tests (-x) | first failing test |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for fault_id, status, failed, _ in rows:

@@ -97,7 +97,7 @@ def test_pytest_inject_fault_option_breaks_the_unit_tests():
     assert faulty.returncode == 1 and "failed" in faulty.stdout
     unknown = subprocess.run([*args, "--inject-fault", "label_shift"], capture_output=True, text=True, cwd=ROOT,
                              timeout=300)
-    assert unknown.returncode == 4 and "did you mean 'label_shift_off_by_one'" in unknown.stderr
+    assert unknown.returncode == 4 and "did you mean" in unknown.stderr and "'label_shift_off_by_one'" in unknown.stderr
 
 
 @pytest.mark.parametrize("argv", [["run", "--fault", "nope_not_a_fault", "--steps", "2"]])
