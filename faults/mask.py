@@ -197,3 +197,39 @@ def build_attention_mask_causal_only(attention_mask: torch.Tensor, query_len: in
     allowed |= key_pos == query_pos
     mask = torch.zeros(batch, 1, query_len, key_len, dtype=dtype, device=device)
     return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+
+
+@fault(
+    "mask_keep_convention_in_attention",
+    seam="model.attention.attend",
+    title="Hand-written attention reads the additive mask as a 1-keep/0-drop mask: NaN, then a crash",
+    subsystem="mask",
+    also_acceptable=("model",),
+    trigger="rare-batch",
+    symptoms=("nan", "crash-dtype"),
+    explanation="One root cause, two symptoms. attend was rewritten by hand as "
+    "scores.masked_fill(attn_mask == 0, -inf), the convention of a 2-D attention_mask (1 keep, 0 drop), "
+    "but the model passes the ADDITIVE mask (0 where a query may attend). Every allowed entry is dropped "
+    "and every forbidden one kept: a query whose keys are all allowed (the last token of an unpadded row "
+    "in a left-padded batch) softmaxes over -inf only, so the loss is NaN on padded batches and the "
+    "weights turn NaN. On the rare batch that needs no mask at all (every row the same length) the model "
+    "passes None, and `None == 0` is a Python bool: masked_fill raises a TypeError mid-run.",
+    fix="Add the additive mask to the scores (scores + attn_mask) and handle None as plain causal "
+    "attention, or keep calling F.scaled_dot_product_attention, which takes the additive mask as is.",
+    references=(
+        "HF transformers docs, 'attention_mask': 1 for tokens to attend, 0 for padding, while the 4-D "
+        "extended mask the layers add is 0 / large-negative; mixing the two conventions inverts the mask",
+        "PyTorch docs, F.scaled_dot_product_attention: a boolean attn_mask means True = take part, a float "
+        "mask is added to the scores; nn.MultiheadAttention's key_padding_mask means True = ignore",
+    ),
+    manifest=Manifest(check="nan_then_crash", steps=40, seeds=(2,), params={"types": ("TypeError",), "min_step": 5},
+                      variant={"data": {"pad_side": "left"}, "train": {"batch_size": 12, "accum": 4}}),
+)
+def attend_keep_mask(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float
+) -> torch.Tensor:
+    """Treats the additive mask as keep(1)/drop(0): allowed entries are dropped, None crashes."""
+    scores = q @ k.transpose(-2, -1) / q.size(-1) ** 0.5  # (B, nh, T_q, T_k)
+    scores = scores.masked_fill(attn_mask == 0, float("-inf"))
+    probs = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), dropout_p)
+    return probs @ v

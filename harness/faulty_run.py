@@ -26,10 +26,17 @@ def compare(fault_ids, variant: dict, steps: int, seed: int, world_size: int = 1
         "val_loss": faulty.val_loss,
         "clean_val_loss": clean.val_loss,
         "eval_gap": None if faulty.val_loss is None or clean.val_loss is None else faulty.val_loss - clean.val_loss,
+        "grad_norm_ratio": _median_ratio(faulty.grad_norms, clean.grad_norms),
         "skipped_steps": sum(faulty.skipped),
         "clean_skipped_steps": sum(clean.skipped),
     }
     return clean, faulty, report
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float | None:
+    """Median over steps of a/b (pre-clip grad norms): a reduction or scaling factor shows as its value."""
+    ratios = sorted(x / y for x, y in zip(a, b, strict=False) if y > 0 and math.isfinite(x) and math.isfinite(y))
+    return ratios[len(ratios) // 2] if ratios else None
 
 
 def describe(report: dict) -> str:
@@ -46,6 +53,9 @@ def describe(report: dict) -> str:
     if report["eval_gap"] is not None and math.isfinite(report["eval_gap"]):
         lines.append(f"val loss {report['val_loss']:.4f} vs clean {report['clean_val_loss']:.4f} "
                      f"(gap {report['eval_gap']:+.4f})")
+    ratio = report["grad_norm_ratio"]
+    if ratio is not None and abs(ratio - 1) > 0.05:
+        lines.append(f"pre-clip grad norm {ratio:.3g}x the clean run's (median over steps)")
     if report["skipped_steps"] or report["clean_skipped_steps"]:
         lines.append(f"skipped steps {report['skipped_steps']} vs clean {report['clean_skipped_steps']}")
     return "\n".join(lines)

@@ -202,6 +202,20 @@ def crash_after_gap(clean, faulty, types=("RuntimeError",), seam=None, min_step=
                                         f"{c['message'][:100]}")
 
 
+@_pairs
+def nan_then_crash(clean, faulty, types=("RuntimeError",), min_step=1):
+    """Two symptoms of one cause: the loss turns non-finite on ordinary batches, then a rare batch raises
+    one of ``types`` at step >= ``min_step``."""
+    if (bad := _clean_ok(clean)):
+        return False, bad
+    c, nan_step = faulty.crash, faulty.nan_step
+    if c is None:
+        return False, f"no crash (first non-finite step {nan_step})"
+    ok = nan_step is not None and c["type"] in types and (c["step"] or 0) >= max(min_step, nan_step + 1)
+    return ok, (f"loss non-finite from step {nan_step}, then {c['type']} at step {c['step']} in "
+                f"{c['seams'][-1] if c['seams'] else '?'}: {c['message'][:100]}")
+
+
 # one-sided 5% critical values of Student's t for n - 1 degrees of freedom
 _T_CRIT = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
 
@@ -229,7 +243,8 @@ CHECKS = {
     "metric_differs": metric_differs, "extra_at_least": extra_at_least, "extra_at_most": extra_at_most,
     "stall": stall, "same_loss_more_compute": same_loss_more_compute,
     "same_loss_graphs_retained": same_loss_graphs_retained, "paired_gap": paired_gap,
-    "grad_norm_ratio": grad_norm_ratio, "lr_ratio": lr_ratio, "skipped_steps": skipped_steps,
+    "grad_norm_ratio": grad_norm_ratio, "nan_then_crash": nan_then_crash, "lr_ratio": lr_ratio,
+    "skipped_steps": skipped_steps,
     "crash_after_gap": crash_after_gap,
 }
 
