@@ -78,3 +78,21 @@ def test_injection_is_undone_on_exit():
         assert model.loss.lm_loss.__code__ is not before
         assert model.loss.lm_loss.__code__.co_filename == model.loss.__file__
     assert model.loss.lm_loss.__code__ is before
+
+
+def test_several_faults_compose_and_two_on_one_seam_are_refused():
+    import model.attention
+    import model.loss
+    from faults.registry import FaultError
+
+    loss_fault = "label_shift_off_by_one"
+    mask_fault = next(f for f, s in FAULTS.items() if s.seams == ("model.attention.build_attention_mask",))
+    before = (model.loss.lm_loss.__code__, model.attention.build_attention_mask.__code__)
+    with injected(loss_fault, mask_fault):
+        after = (model.loss.lm_loss.__code__, model.attention.build_attention_mask.__code__)
+        assert all(a is not b for a, b in zip(after, before, strict=True))
+    assert (model.loss.lm_loss.__code__, model.attention.build_attention_mask.__code__) == before
+    twins = [f for f, s in FAULTS.items() if "model.loss.lm_loss" in s.seams][:2]
+    with pytest.raises(FaultError, match="both replace model.loss.lm_loss"):
+        with injected(*twins):
+            pass
