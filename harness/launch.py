@@ -12,6 +12,7 @@ may be mid-collective) and rebuilt on the next call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -26,11 +27,30 @@ class RankFailure(RuntimeError):
     """A rank raised, died, or did not finish in time."""
 
 
+INJECT_ENV, PLUGINS_ENV = "FAULTBENCH_INJECT", "FAULTBENCH_FAULT_PLUGINS"
+_worker_injection = contextlib.ExitStack()
+
+
+def _inject_from_env() -> None:
+    """Faults injected in the launching process (``pytest --inject-fault``) reach the ranks through the
+    environment; they stay injected for the worker's life."""
+    ids = [f for f in os.environ.get(INJECT_ENV, "").split(",") if f]
+    if not ids:
+        return
+    from faults.inject import injected
+    from faults.registry import load_plugin
+
+    for plugin in filter(None, os.environ.get(PLUGINS_ENV, "").split(os.pathsep)):
+        load_plugin(plugin)
+    _worker_injection.enter_context(injected(*ids))  # held (not collected) for the worker's life
+
+
 def _worker(rank: int, world_size: int, init_file: str, backend: str, tasks, results, pg_timeout_s: float):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _inject_from_env()
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=pg_timeout_s))
     results.put((rank, "ready", None))

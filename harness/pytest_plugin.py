@@ -8,6 +8,7 @@ is simply: which faults make it fail.
 from __future__ import annotations
 
 import contextlib
+import os
 
 _stack = contextlib.ExitStack()
 
@@ -27,7 +28,8 @@ def pytest_configure(config):
     from faults.inject import injected
     from faults.registry import get_fault, load_plugin
 
-    for plugin in config.getoption("fault_plugin"):
+    plugins = config.getoption("fault_plugin")
+    for plugin in plugins:
         load_plugin(plugin)
     import pytest
 
@@ -39,6 +41,24 @@ def pytest_configure(config):
     except FaultError as e:  # an unknown id stops the session with a suggestion, not a traceback
         raise pytest.UsageError(str(e)) from None
     _stack.enter_context(injected(*ids))
+    # rank workers started by this session (harness.launch.RankPool) inject the same faults
+    from harness.launch import INJECT_ENV, PLUGINS_ENV
+
+    _stack.enter_context(_env({INJECT_ENV: ",".join(ids), PLUGINS_ENV: os.pathsep.join(plugins)}))
+
+
+@contextlib.contextmanager
+def _env(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def pytest_report_header(config):

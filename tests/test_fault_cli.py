@@ -104,3 +104,13 @@ def test_pytest_inject_fault_option_breaks_the_unit_tests():
 def test_run_with_unknown_fault_is_a_clear_error(argv, capsys):
     assert main(argv) == 2
     assert "unknown fault id" in capsys.readouterr().err
+
+
+def test_inject_fault_reaches_the_rank_workers():
+    # the DDP test passes clean and fails when the ranks' gradient sync is broken in the pool workers
+    args = [sys.executable, "-m", "pytest", "tests/distributed/test_ddp.py", "-q", "-p", "no:cacheprovider",
+            "-k", "accum"]
+    assert subprocess.run(args, capture_output=True, cwd=ROOT, timeout=300).returncode == 0
+    faulty = subprocess.run([*args, "--inject-fault", "no_sync_on_last_micro_batch"], capture_output=True,
+                            text=True, cwd=ROOT, timeout=300)
+    assert faulty.returncode == 1 and "1 failed" in faulty.stdout
