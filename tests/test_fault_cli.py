@@ -113,4 +113,4 @@ def test_inject_fault_reaches_the_rank_workers():
     assert subprocess.run(args, capture_output=True, cwd=ROOT, timeout=300).returncode == 0
     faulty = subprocess.run([*args, "--inject-fault", "no_sync_on_last_micro_batch"], capture_output=True,
                             text=True, cwd=ROOT, timeout=300)
-    assert faulty.returncode == 1 and "1 failed" in faulty.stdout
+    assert faulty.returncode == 1 and "failed" in faulty.stdout
