@@ -14,15 +14,29 @@ from faults.registry import get_fault
 from harness.scenario import Outcome, run_scenario
 
 
-def _pairs(check):
-    """Lift a per-seed check (clean, faulty, **params) -> (ok, evidence) to all seeds: every seed must pass."""
+def _pairs(check=None, *, crash_is_evidence: bool = False):
+    """Lift a per-seed check (clean, faulty, **params) -> (ok, evidence) to all seeds: every seed must pass.
 
-    def over_seeds(cleans: list[Outcome], faultys: list[Outcome], **params):
-        results = [check(c, f, **params) for c, f in zip(cleans, faultys, strict=True)]
-        return all(ok for ok, _ in results), "; ".join(ev for _, ev in results)
+    A clean run that crashed or went NaN fails the proof (the recipe is broken, not the fault shown); so
+    does a faulty run that crashed, unless the crash is the evidence the check looks for.
+    """
 
-    over_seeds.__doc__ = check.__doc__
-    return over_seeds
+    def lift(check):
+        def per_seed(clean, faulty, **params):
+            if (bad := _clean_ok(clean)):
+                return False, bad
+            if faulty.crash and not crash_is_evidence:
+                return False, f"faulty crashed instead: {faulty.crash['type']}"
+            return check(clean, faulty, **params)
+
+        def over_seeds(cleans: list[Outcome], faultys: list[Outcome], **params):
+            results = [per_seed(c, f, **params) for c, f in zip(cleans, faultys, strict=True)]
+            return all(ok for ok, _ in results), "; ".join(ev for _, ev in results)
+
+        over_seeds.__doc__ = check.__doc__
+        return over_seeds
+
+    return lift(check) if check is not None else lift
 
 
 def _clean_ok(clean: Outcome) -> str | None:
@@ -33,11 +47,9 @@ def _clean_ok(clean: Outcome) -> str | None:
     return None
 
 
-@_pairs
+@_pairs(crash_is_evidence=True)
 def crash(clean, faulty, types=("RuntimeError",), seam=None, min_step=0):
     """The faulty run raises one of ``types`` (from ``seam`` if given) at step >= ``min_step``."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
     c = faulty.crash
     if c is None:
         return False, "no crash"
@@ -45,11 +57,9 @@ def crash(clean, faulty, types=("RuntimeError",), seam=None, min_step=0):
     return ok, f"{c['type']} at step {c['step']} in {c['seams'][-1] if c['seams'] else '?'}: {c['message'][:120]}"
 
 
-@_pairs
+@_pairs(crash_is_evidence=True)
 def nan(clean, faulty, by_step=30):
     """The faulty run's loss (or a crash-free metric) turns non-finite by ``by_step``; clean stays finite."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
     step = faulty.nan_step
     if step is None and faulty.grad_norms:
         step = next((i for i, g in enumerate(faulty.grad_norms) if not math.isfinite(g) and not faulty.skipped[i]),
@@ -60,10 +70,6 @@ def nan(clean, faulty, by_step=30):
 @_pairs
 def loss_above(clean, faulty, min_gap=0.2, metric="train"):
     """Faulty loss exceeds clean by ``min_gap`` nats (metric: final train loss, or val)."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     a, b = (faulty.val_loss, clean.val_loss) if metric == "val" else (faulty.final_loss(), clean.final_loss())
     return (not math.isfinite(a)) or a - b >= min_gap, f"{metric} loss {a:.3f} vs clean {b:.3f}"
 
@@ -71,10 +77,6 @@ def loss_above(clean, faulty, min_gap=0.2, metric="train"):
 @_pairs
 def loss_below(clean, faulty, min_gap=0.2, metric="train"):
     """Faulty loss is BELOW clean by ``min_gap`` (information leak: e.g. the model sees the future)."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     a, b = (faulty.val_loss, clean.val_loss) if metric == "val" else (faulty.final_loss(), clean.final_loss())
     return b - a >= min_gap, f"{metric} loss {a:.3f} vs clean {b:.3f}"
 
@@ -82,10 +84,6 @@ def loss_below(clean, faulty, min_gap=0.2, metric="train"):
 @_pairs
 def metric_differs(clean, faulty, metric="val_loss", min_gap=0.05):
     """``metric`` (val_loss or a scenario extra) differs from clean by at least ``min_gap``."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     a = faulty.val_loss if metric == "val_loss" else faulty.extra.get(metric)
     b = clean.val_loss if metric == "val_loss" else clean.extra.get(metric)
     return a is not None and b is not None and abs(a - b) >= min_gap, f"{metric} {a} vs clean {b}"
@@ -94,10 +92,6 @@ def metric_differs(clean, faulty, metric="val_loss", min_gap=0.05):
 @_pairs
 def extra_at_least(clean, faulty, key, faulty_min, clean_max):
     """Scenario measurement ``key`` is >= ``faulty_min`` when faulty and <= ``clean_max`` when clean."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     a, b = faulty.extra.get(key), clean.extra.get(key)
     return a is not None and b is not None and a >= faulty_min and b <= clean_max, f"{key} {a} vs clean {b}"
 
@@ -105,10 +99,6 @@ def extra_at_least(clean, faulty, key, faulty_min, clean_max):
 @_pairs
 def extra_at_most(clean, faulty, key, faulty_max, clean_min):
     """Scenario measurement ``key`` is <= ``faulty_max`` when faulty and >= ``clean_min`` when clean."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     a, b = faulty.extra.get(key), clean.extra.get(key)
     return a is not None and b is not None and a <= faulty_max and b >= clean_min, f"{key} {a} vs clean {b}"
 
@@ -116,10 +106,6 @@ def extra_at_most(clean, faulty, key, faulty_max, clean_min):
 @_pairs
 def stall(clean, faulty, max_drop=0.3, min_clean_drop=1.0):
     """The faulty loss barely moves from its start while the clean one drops by ``min_clean_drop``."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     f_drop = faulty.losses[0] - faulty.final_loss()
     c_drop = clean.losses[0] - clean.final_loss()
     return f_drop <= max_drop and c_drop >= min_clean_drop, f"loss drop {f_drop:.3f} vs clean {c_drop:.3f}"
@@ -128,21 +114,15 @@ def stall(clean, faulty, max_drop=0.3, min_clean_drop=1.0):
 @_pairs
 def same_loss_more_compute(clean, faulty, min_ratio=2.0, loss_tol=1e-4):
     """Training numbers unchanged but the model processes ``min_ratio`` x the positions (waste)."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     positions = lambda o: sum(b * t for b, t in o.batch_shapes)  # noqa: E731
     ratio = positions(faulty) / max(positions(clean), 1)
     same = max(abs(a - b) for a, b in zip(clean.losses, faulty.losses, strict=True)) <= loss_tol
     return ratio >= min_ratio and same, f"{ratio:.2f}x positions per run, losses equal: {same}"
 
 
-@_pairs
+@_pairs(crash_is_evidence=True)
 def same_loss_graphs_retained(clean, faulty, min_tensors=10, loss_tol=1e-6):
     """Training numbers unchanged but autograd graphs survive every step (memory grows)."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
     a, b = faulty.extra.get("live_graph_tensors", 0), clean.extra.get("live_graph_tensors", 0)
     same = not faulty.crash and max(abs(x - y) for x, y in zip(clean.losses, faulty.losses, strict=True)) <= loss_tol
     return a >= min_tensors and b == 0 and same, f"{a} graph tensors alive after training vs clean {b}; same: {same}"
@@ -151,10 +131,6 @@ def same_loss_graphs_retained(clean, faulty, min_tensors=10, loss_tol=1e-6):
 @_pairs
 def grad_norm_ratio(clean, faulty, min_ratio, max_ratio, step=0):
     """The pre-clip gradient norm at ``step`` is ``min_ratio``..``max_ratio`` times the clean one."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     ratio = faulty.grad_norms[step] / clean.grad_norms[step]
     return min_ratio <= ratio <= max_ratio, f"grad norm x{ratio:.3f} of clean at step {step}"
 
@@ -162,10 +138,6 @@ def grad_norm_ratio(clean, faulty, min_ratio, max_ratio, step=0):
 @_pairs
 def lr_ratio(clean, faulty, min_ratio, max_ratio, step=0):
     """The learning rate used at ``step`` is ``min_ratio``..``max_ratio`` times the clean one."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     ratio = faulty.lrs[step] / clean.lrs[step]
     return min_ratio <= ratio <= max_ratio, f"lr x{ratio:.3f} of clean at step {step} ({faulty.lrs[step]:.2e})"
 
@@ -173,21 +145,15 @@ def lr_ratio(clean, faulty, min_ratio, max_ratio, step=0):
 @_pairs
 def skipped_steps(clean, faulty, faulty_min, clean_max=0):
     """The scaler skips at least ``faulty_min`` optimizer steps in the faulty run, at most ``clean_max`` clean."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
-    if faulty.crash:
-        return False, f"faulty crashed instead: {faulty.crash['type']}"
     a, b = sum(faulty.skipped), sum(clean.skipped)
     return a >= faulty_min and b <= clean_max, f"{a}/{len(faulty.skipped)} steps skipped vs clean {b}"
 
 
-@_pairs
+@_pairs(crash_is_evidence=True)
 def crash_after_gap(clean, faulty, types=("RuntimeError",), seam=None, min_step=1, min_gap=0.2, window=10):
     """Two symptoms of one cause: over the ``window`` steps before it crashes, the faulty train loss runs
     ``min_gap`` above the clean one (same steps), then it raises one of ``types`` (from ``seam`` if given)
     at step >= ``min_step``."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
     c = faulty.crash
     if c is None:
         return False, "no crash"
@@ -202,12 +168,10 @@ def crash_after_gap(clean, faulty, types=("RuntimeError",), seam=None, min_step=
                                         f"{c['message'][:100]}")
 
 
-@_pairs
+@_pairs(crash_is_evidence=True)
 def nan_then_crash(clean, faulty, types=("RuntimeError",), min_step=1):
     """Two symptoms of one cause: the loss turns non-finite on ordinary batches, then a rare batch raises
     one of ``types`` at step >= ``min_step``."""
-    if (bad := _clean_ok(clean)):
-        return False, bad
     c, nan_step = faulty.crash, faulty.nan_step
     if c is None:
         return False, f"no crash (first non-finite step {nan_step})"
