@@ -176,12 +176,20 @@ def _scenario_resume(cfg: RunConfig, steps: int) -> Outcome:
                 return out
             run = _train(cfg, out, run=resumed)
     if whole.crash is None and out.crash is None:
-        n = min(len(whole.losses), len(out.losses))
-        out.extra["resume_loss_diff"] = max((abs(a - b) for a, b in zip(whole.losses[:n], out.losses[:n],
-                                                                       strict=True)), default=0.0)
-        out.extra["resume_steps"] = (len(whole.losses), len(out.losses))
-        out.extra["resume_val_diff"] = abs(whole.val_loss - out.val_loss)
+        out.extra.update(_resume_gaps(whole.losses, out.losses, whole.val_loss, out.val_loss))
     return out
+
+
+def _resume_gaps(whole_losses: list[float], resumed_losses: list[float], whole_val: float,
+                 resumed_val: float) -> dict:
+    """How far a resumed run strays from the uninterrupted one (the clean reference: not at all)."""
+    n = min(len(whole_losses), len(resumed_losses))
+    return {
+        "resume_loss_diff": max((abs(a - b) for a, b in zip(whole_losses[:n], resumed_losses[:n], strict=True)),
+                                default=0.0),
+        "resume_steps": (len(whole_losses), len(resumed_losses)),
+        "resume_val_diff": abs(whole_val - resumed_val),
+    }
 
 
 def _scenario_generate(cfg: RunConfig, steps: int) -> Outcome:
@@ -267,20 +275,15 @@ def _scenario_ddp(cfg: RunConfig, steps: int, fault_ids: tuple[str, ...], plugin
     out.val_loss = first["val_loss"]
     out.extra["rank_param_diff"] = max((ranks[0]["state"][k] - ranks[1]["state"][k]).abs().max().item()
                                        for k in ranks[0]["state"])
-    out.extra["rank_loss_diff"] = max(abs(a["loss"] - b["loss"]) for a, b in
-                                      zip(ranks[0]["history"], ranks[1]["history"], strict=True))
-    out.extra["rank_grad_norm_diff"] = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in
-                                           zip(ranks[0]["history"], ranks[1]["history"], strict=True))
+    for key in ("loss", "grad_norm"):
+        out.extra[f"rank_{key}_diff"] = max(abs(a[key] - b[key]) for a, b in
+                                            zip(ranks[0]["history"], ranks[1]["history"], strict=True))
     # share of training forwards in which both ranks were fed the very same batch (disjoint shards: 0)
     same = [a == b for a, b in zip(ranks[0]["batches"], ranks[1]["batches"], strict=True)]
     out.extra["rank_batches_identical"] = sum(same) / max(len(same), 1)
     if whole is not None:
-        before, after = whole[0]["history"], first["history"]
-        n = min(len(before), len(after))
-        out.extra["resume_loss_diff"] = max((abs(a["loss"] - b["loss"]) for a, b in
-                                             zip(before[:n], after[:n], strict=True)), default=0.0)
-        out.extra["resume_steps"] = (len(before), len(after))
-        out.extra["resume_val_diff"] = abs(whole[0]["val_loss"] - first["val_loss"])
+        out.extra.update(_resume_gaps([r["loss"] for r in whole[0]["history"]], out.losses,
+                                      whole[0]["val_loss"], out.val_loss))
     return out
 
 

@@ -30,17 +30,37 @@ def test_metadata_is_complete(fault_id):
 
 
 @pytest.mark.parametrize("fault_id", FAULT_IDS)
-def test_diff_touches_only_the_fault_seams_and_not_their_signature(fault_id):
+def test_diff_is_nonempty_and_touches_only_the_fault_seams(fault_id):
     spec = FAULTS[fault_id]
     text = diff(fault_id)
     assert text.strip(), "empty diff: the fault changes nothing"
     headers = [line for line in text.splitlines() if line.startswith("+++ ")]
     assert [h.split("(")[-1].rstrip(")") for h in headers] == list(spec.seams)
     for seam, fn in spec.replacements.items():
-        clean, faulty = seam_function_source(seam), fault_function_source(seam, fn)
-        assert clean != faulty
-        # the signature is copied verbatim: the diff shows the bug, not a reformatted header
-        assert clean.split(":\n", 1)[0] == faulty.split(":\n", 1)[0], f"{seam}: the signature line changed"
+        assert seam_function_source(seam) != fault_function_source(seam, fn)
+
+
+def test_registration_refuses_a_changed_signature_or_default():
+    # the spliced copy keeps the seam's header, so a fault whose signature differs could not be spliced
+    from faults.registry import Manifest, fault
+
+    def register(fn):
+        return fault("tmp_signature_probe", seam="model.data.truncate", title="t" * 30, subsystem="data",
+                     trigger="always", symptoms=("silent-quality",), explanation="e" * 30, fix="f" * 30,
+                     references=("r",), manifest=Manifest(check="crash"))(fn)
+
+    def other_default(ids, max_len, eos_id=2):
+        """Changes a default."""
+        return ids
+
+    def other_name(ids, max_len, eos):
+        """Renames a parameter."""
+        return ids
+
+    for fn in (other_default, other_name):
+        with pytest.raises(FaultError, match="signature of model.data.truncate"):
+            register(fn)
+    assert "tmp_signature_probe" not in FAULTS
 
 
 @pytest.mark.parametrize("fault_id", FAULT_IDS)
