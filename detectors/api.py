@@ -1,0 +1,227 @@
+"""The detector API: findings, the run context a detector sees, the hooks it may implement, the registry.
+
+A detector is a class with a unique ``id`` that implements any of the ``on_*`` hooks. The harness
+calls the hooks of every detector of a suite during a run (see ``harness/case.py`` for when each
+fires) and collects what they ``report``. Honesty rules (tested in tests/detectors/test_honesty.py):
+- a detector never receives the fault id or any fault metadata: the context holds only the run;
+- detector modules import neither ``faults`` nor ``model``: they reach the run's code only through
+  the context (``ctx.run``'s objects, ``ctx.seam(name)`` for the run's live function of a seam);
+- on every clean run variant every detector must stay silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+SUBSYSTEMS = (
+    "data", "collate", "mask", "position", "model", "loss",
+    "optimizer", "precision", "checkpoint", "distributed", "eval",
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing a detector found: when (optimizer steps completed), where (subsystem, seam), and why."""
+
+    detector: str
+    step: int | None
+    subsystem: str
+    seam: str | None
+    message: str
+    evidence: dict = field(default_factory=dict)
+    confidence: float = 0.5  # 0..1: how sure the detector is of the location, used to rank findings
+
+    def to_dict(self) -> dict:
+        return {"detector": self.detector, "step": self.step, "subsystem": self.subsystem, "seam": self.seam,
+                "message": self.message, "evidence": self.evidence, "confidence": self.confidence}
+
+
+@dataclass
+class RunContext:
+    """What a detector may look at. ``run`` is the live run (model, train_model, optimizer, scheduler,
+    scaler, sampler, corpus, tokenizer, config, history, rank, world_size, step); it is replaced by
+    the resumed run after a checkpoint load. ``golden`` is the recorded envelope of clean reference
+    runs of the same recipe (other seeds), or None."""
+
+    run: Any
+    seam_resolver: Callable[[str], Callable]
+    seams: dict[str, str] = field(default_factory=dict)  # the localization vocabulary: seam name -> subsystem
+    golden: dict | None = None
+    phase: str = "train"  # "train", "eval" (the end-of-run evaluation), "probe"
+
+    @property
+    def config(self):
+        return self.run.config
+
+    @property
+    def step(self) -> int:
+        return self.run.step
+
+    def seam(self, name: str) -> Callable:
+        """The run's live function for a seam name such as ``"model.data.collate"`` (a class name such as
+        ``"model.gpt.KVCache"`` also resolves). Under injection this is the code the run executes."""
+        return self.seam_resolver(name)
+
+    @contextlib.contextmanager
+    def probe(self, train_mode: bool = False):
+        """A side-effect-free probe: no grad, the model in eval mode (unless asked), every global RNG
+        state restored after, so the run continues exactly as without the probe."""
+        model = self.run.model
+        was_training, phase = model.training, self.phase
+        states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        model.train(train_mode)
+        self.phase = "probe"
+        try:
+            with torch.no_grad():
+                yield model
+        finally:
+            model.train(was_training)
+            self.phase = phase
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+
+
+class Detector:
+    """Base class: override the hooks you need; call ``report`` for each finding.
+
+    Hooks (all optional), in the order a run fires them:
+      on_start(ctx)                 the run is built (probes of components go here)
+      on_batch(ctx, micro_batches)  a step's collated micro-batches, before the first forward
+      on_forward(ctx, batch, logits) each training forward of the model (batch: the micro-batch dict)
+      on_backward(ctx, batch, grad_logits) d(loss)/d(logits) of each micro-batch, during backward
+      on_before_step(ctx)           optimizer.step() is about to run (gradients unscaled and clipped)
+      on_after_step(ctx, record)    the step's record (loss, grad_norm, lr, scale, skipped, tokens)
+      on_checkpoint_save(ctx, path) / on_checkpoint_load(ctx, path)   around a save/resume
+      on_end(ctx, metrics)          after the end-of-run evaluation (metrics: {"val_loss": ...})
+      on_crash(ctx, crash)          the run raised; crash = {type, message, step, frames, traceback}
+    """
+
+    id: ClassVar[str] = ""
+    family: ClassVar[str] = ""  # the subsystem the detector mainly localizes (documentation, heatmap order)
+    passive: ClassVar[bool] = True  # watches training steps (counted in the overhead) vs probes only
+    baseline: ClassVar[bool] = False  # scored alongside the suite, not part of it
+    description: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+
+    def report(self, ctx: RunContext, subsystem: str, seam: str | None, message: str, evidence: dict | None = None,
+               confidence: float = 0.7, step: int | None = None) -> None:
+        if subsystem not in SUBSYSTEMS:
+            raise ValueError(f"{self.id}: unknown subsystem {subsystem!r}; expected one of {SUBSYSTEMS}")
+        self.findings.append(Finding(self.id, ctx.step if step is None else step, subsystem, seam, message,
+                                     _jsonable(evidence or {}), confidence))
+
+    @property
+    def fired(self) -> bool:
+        return bool(self.findings)
+
+    def summary(self) -> dict:
+        """Anything worth keeping in the case record besides findings (statistics, traces); {} by default."""
+        return {}
+
+    # the hooks: no-ops here; the harness calls only the ones a detector overrides
+    def on_start(self, ctx: RunContext) -> None: ...
+    def on_batch(self, ctx: RunContext, micro_batches: list[dict]) -> None: ...
+    def on_forward(self, ctx: RunContext, batch: dict, logits: torch.Tensor) -> None: ...
+    def on_backward(self, ctx: RunContext, batch: dict, grad_logits: torch.Tensor) -> None: ...
+    def on_before_step(self, ctx: RunContext) -> None: ...
+    def on_after_step(self, ctx: RunContext, record) -> None: ...
+    def on_checkpoint_save(self, ctx: RunContext, path) -> None: ...
+    def on_checkpoint_load(self, ctx: RunContext, path) -> None: ...
+    def on_end(self, ctx: RunContext, metrics: dict) -> None: ...
+    def on_crash(self, ctx: RunContext, crash: dict) -> None: ...
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return _jsonable(value.tolist())
+    if isinstance(value, float):
+        return value if np.isfinite(value) else str(value)
+    if isinstance(value, (np.integer, np.floating)):
+        return _jsonable(value.item())
+    return value if isinstance(value, (int, str, bool, type(None))) else repr(value)
+
+
+HOOKS = ("on_start", "on_batch", "on_forward", "on_backward", "on_before_step", "on_after_step",
+         "on_checkpoint_save", "on_checkpoint_load", "on_end", "on_crash")
+
+DETECTORS: dict[str, type[Detector]] = {}
+BUILTIN_MODULES = (
+    "detectors.data", "detectors.collate", "detectors.mask", "detectors.position", "detectors.model",
+    "detectors.loss", "detectors.optimizer", "detectors.precision", "detectors.checkpoint",
+    "detectors.distributed", "detectors.eval", "detectors.resources", "detectors.baselines",
+)
+_loaded = False
+
+
+def register(cls: type[Detector]) -> type[Detector]:
+    """Class decorator: add a detector to the registry under its ``id``."""
+    if not cls.id:
+        raise ValueError(f"{cls.__name__} needs an id")
+    if cls.id in DETECTORS and DETECTORS[cls.id] is not cls:
+        raise ValueError(f"detector id {cls.id!r} is registered twice")
+    if cls.family and cls.family not in SUBSYSTEMS + ("baseline", "resources"):
+        raise ValueError(f"{cls.id}: unknown family {cls.family!r}")
+    DETECTORS[cls.id] = cls
+    return cls
+
+
+def all_detectors() -> dict[str, type[Detector]]:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import importlib
+        from importlib.metadata import entry_points
+
+        for name in BUILTIN_MODULES:
+            importlib.import_module(name)
+        for ep in entry_points(group="faultbench.detectors"):
+            ep.load()
+    return DETECTORS
+
+
+def suite_ids() -> list[str]:
+    """The detectors of the default suite (every registered one but the baselines)."""
+    return [d for d, cls in all_detectors().items() if not cls.baseline]
+
+
+def baseline_ids() -> list[str]:
+    return [d for d, cls in all_detectors().items() if cls.baseline]
+
+
+def resolve_ids(names) -> list[str]:
+    """Expand ``all`` / ``suite`` / ``baselines`` and check every id ("did you mean" on a typo)."""
+    known = all_detectors()
+    out: list[str] = []
+    for name in names:
+        if name in ("all", "suite"):
+            out += suite_ids() if name == "suite" else list(known)
+        elif name == "baselines":
+            out += baseline_ids()
+        elif name in known:
+            out.append(name)
+        else:
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise ValueError(f"unknown detector {name!r}{hint} (`faultbench detectors` lists them)")
+    return list(dict.fromkeys(out))
+
+
+def rank_findings(findings: list[Finding]) -> list[Finding]:
+    """One ranked list: most confident first, then earliest, then report order."""
+    order = {id(f): i for i, f in enumerate(findings)}
+    return sorted(findings, key=lambda f: (-f.confidence, f.step if f.step is not None else 1 << 30, order[id(f)]))

@@ -1,0 +1,315 @@
+"""One bench case: a recipe of the reference, the faults injected (none: a clean case), a seed, a suite.
+
+The case trains with the detectors' hooks wired in, saves and resumes half-way for the resume
+recipes, evaluates, and returns a JSON-able record: per-step metrics, the crash (if any), every
+detector's findings, errors and time. It runs in one process, or on every rank of a ``RankPool``
+(``run_case_on_rank``) for the data-parallel recipes. A crash is an outcome, a detector that raises
+is a detector error: neither escapes ``run_case``.
+
+When the hooks fire (see ``detectors.api.Detector``):
+  on_start        after the run is built, before step 0
+  on_batch        after ``next_micro_batches``, before ``train_step``
+  on_forward      forward hook of the model, training forwards only
+  on_backward     hook on the logits' gradient, one call per micro-batch
+  on_before_step  the optimizer's step pre-hook (skipped steps of fp16 never reach it)
+  on_after_step   after ``train_step`` returns its record
+  on_checkpoint_save / on_checkpoint_load   after the save, after the load into a fresh run
+  on_end          after the evaluation on the first ``EVAL_DOCS`` validation documents
+  on_crash        the run raised
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from detectors.api import HOOKS, Detector, RunContext, all_detectors, rank_findings
+from model.config import RunConfig, get_preset
+from model.seams import SEAMS, resolve
+
+EVAL_DOCS = 256  # validation documents evaluated at the end of a case (the full split takes 4x longer)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A clean-matrix variant: config overrides per section, steps, world size, resume point."""
+
+    name: str
+    overrides: dict
+    steps: int = 24
+    world_size: int = 1
+    resume_at: int | None = None  # save at this step and continue from a fresh run loaded from it
+
+    def config(self, seed: int) -> RunConfig:
+        base = get_preset("tiny")
+        train = {"steps": self.steps, "warmup_steps": 8, "world_size": self.world_size,
+                 **self.overrides.get("train", {})}
+        sections = {k: v for k, v in self.overrides.items() if k != "train"}
+        return base.replace(**sections, train=train, seed=seed)
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("fp32", {}),
+    Recipe("bf16", {"train": {"precision": "bf16"}}),
+    Recipe("fp16", {"train": {"precision": "fp16"}}, steps=16),  # fp16 matmuls are emulated on CPU: 7x slower
+    Recipe("left_pad", {"data": {"pad_side": "left"}}),
+    Recipe("accum", {"train": {"accum": 4}}),
+    Recipe("resume", {"model": {"dropout": 0.1}}, resume_at=12),
+    Recipe("ddp", {"train": {"accum": 2}}, world_size=2),
+    Recipe("zero", {"train": {"zero": True}}, world_size=2),
+    Recipe("ddp_resume", {}, world_size=2, resume_at=12),
+)}
+
+
+def recipe_for(manifest) -> str:
+    """The clean-matrix recipe in which a fault's manifest says it shows (scenario, then variant).
+
+    Only the recipe reaches the case: its detectors see the same config as the clean cases of it.
+    """
+    variant = manifest.variant
+    train, data = variant.get("train", {}), variant.get("data", {})
+    if manifest.scenario in ("ddp_resume", "resume"):
+        return manifest.scenario
+    if manifest.scenario == "ddp":
+        return "zero" if train.get("zero") else "ddp"
+    if train.get("precision") in ("fp16", "bf16"):
+        return train["precision"]
+    if data.get("pad_side") == "left":
+        return "left_pad"
+    if train.get("accum", 1) > 1:
+        return "accum"
+    return "fp32"
+
+
+@dataclass(frozen=True)
+class Case:
+    recipe: str
+    seed: int
+    faults: tuple[str, ...] = ()
+    detectors: tuple[str, ...] = ()
+    plugins: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"{'+'.join(self.faults) or 'clean'}/{self.recipe}/s{self.seed}"
+
+    def to_dict(self) -> dict:
+        return {"recipe": self.recipe, "seed": self.seed, "faults": list(self.faults),
+                "detectors": list(self.detectors), "plugins": list(self.plugins)}
+
+
+def crash_record(exc: BaseException, step: int | None) -> dict:
+    """The crash as data: type, message, step, and the reference frames (``model.x.f``), innermost last."""
+    from harness.scenario import seams_on_traceback
+
+    return {"type": type(exc).__name__, "message": str(exc)[:500], "step": step,
+            "frames": seams_on_traceback(exc.__traceback__),
+            "traceback": "".join(traceback.format_exception(exc))[-4000:]}
+
+
+class Suite:
+    """The detectors of a case and the dispatcher of their hooks: each call is timed and contained."""
+
+    def __init__(self, ids, ctx: RunContext):
+        from harness.golden import GoldenRecorder
+
+        registry = {**all_detectors(), GoldenRecorder.id: GoldenRecorder}
+        self.ctx = ctx
+        self.detectors: list[Detector] = [registry[i]() for i in ids]
+        self.errors: dict[str, str] = {}
+        self.step_seconds = {d.id: 0.0 for d in self.detectors}  # inside training steps: the overhead
+        self.other_seconds = {d.id: 0.0 for d in self.detectors}  # probes at start, checkpoint, end
+        # only detectors that override a hook are called for it (the base class's hooks do nothing)
+        self._subscribers = {hook: [d for d in self.detectors if getattr(type(d), hook) is not getattr(Detector, hook)]
+                             for hook in HOOKS}
+        self.in_step = False
+
+    def wants(self, hook: str) -> bool:
+        return bool(self._subscribers[hook])
+
+    def fire(self, hook: str, *args) -> None:
+        timer = self.step_seconds if self.in_step else self.other_seconds
+        for det in self._subscribers[hook]:
+            if det.id in self.errors:
+                continue
+            start = time.perf_counter()
+            try:
+                getattr(det, hook)(self.ctx, *args)
+            except Exception as exc:  # a broken detector is recorded and silenced, never fatal
+                self.errors[det.id] = f"{hook}: {type(exc).__name__}: {exc}"[:500]
+            finally:
+                timer[det.id] += time.perf_counter() - start
+
+    def summaries(self) -> dict:
+        return {d.id: d.summary() for d in self.detectors if d.summary()}
+
+    def findings(self) -> list:
+        return rank_findings([f for d in self.detectors for f in d.findings])
+
+
+def _attach(suite: Suite, run) -> list:
+    """Wire the model and optimizer hooks to the suite; returns the handles to remove."""
+    handles = []
+    if suite.wants("on_forward") or suite.wants("on_backward"):
+        def forward_hook(module, args, output):
+            if not module.training or suite.ctx.phase != "train":
+                return
+            batch = {"input_ids": args[0], "attention_mask": args[1] if len(args) > 1 else None,
+                     "position_ids": args[2] if len(args) > 2 else None}
+            suite.fire("on_forward", batch, output)
+            if suite.wants("on_backward") and output.requires_grad:
+                output.register_hook(lambda grad: suite.fire("on_backward", batch, grad))
+
+        handles.append(run.model.register_forward_hook(forward_hook))
+    if suite.wants("on_before_step"):
+        handles.append(run.optimizer.register_step_pre_hook(lambda opt, args, kwargs: suite.fire("on_before_step")))
+    return handles
+
+
+def _train_until(run, suite: Suite, until: int, out: dict) -> None:
+    from model.train import next_micro_batches, train_step
+
+    run.model.train()
+    while run.step < until:
+        start = time.perf_counter()
+        suite.in_step = True
+        try:
+            micro_batches = next_micro_batches(run)
+            suite.fire("on_batch", micro_batches)
+            record = train_step(run, micro_batches)
+            suite.fire("on_after_step", record)
+        finally:
+            suite.in_step = False
+        out["train_s"] += time.perf_counter() - start
+        out["history"].append({k: (float(v) if isinstance(v, torch.Tensor) else v)
+                               for k, v in record.to_dict().items()})
+
+
+def run_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str | None = None) -> dict:
+    """Run ``case`` with its faults injected (on this process or this rank); never raises.
+
+    ``workdir`` holds the resume recipes' checkpoint (every rank must be given the same one); default:
+    a temporary directory.
+    """
+    from faults.inject import injected
+    from faults.registry import load_plugin
+
+    for plugin in case.plugins:
+        load_plugin(plugin)
+    random.seed(case.seed)
+    with injected(*case.faults), tempfile.TemporaryDirectory(prefix="faultbench-case-") as tmp:
+        return _run(case, golden, rank, Path(workdir or tmp))
+
+
+def _run(case: Case, golden: dict | None, rank: int, workdir: Path) -> dict:
+    from model.checkpoint import load_checkpoint, save_checkpoint
+    from model.evaluate import evaluate
+    from model.run import build_run
+
+    recipe = RECIPES[case.recipe]
+    cfg = recipe.config(case.seed)
+    out = {"case": case.to_dict(), "rank": rank, "history": [], "crash": None, "val_loss": None,
+           "train_s": 0.0, "resumed_at": None}
+    start = time.perf_counter()
+    ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
+    suite = None
+    handles = []
+    try:
+        ctx.run = build_run(cfg, rank)
+        suite = Suite(case.detectors, ctx)
+        handles = _attach(suite, ctx.run)
+        suite.fire("on_start")
+        if recipe.resume_at is not None:
+            _train_until(ctx.run, suite, recipe.resume_at, out)
+            path = workdir / "ckpt"
+            save_checkpoint(ctx.run, path)
+            suite.fire("on_checkpoint_save", path)
+            for h in handles:
+                h.remove()
+            resumed = build_run(cfg, rank)
+            load_checkpoint(resumed, path)
+            ctx.run = resumed
+            handles = _attach(suite, resumed)
+            out["resumed_at"] = resumed.step
+            suite.fire("on_checkpoint_load", path)
+        _train_until(ctx.run, suite, cfg.train.steps, out)
+        ctx.phase = "eval"
+        out["val_loss"] = evaluate(ctx.run.model, ctx.run.corpus.val[:EVAL_DOCS], ctx.run.tokenizer.pad_id,
+                                   cfg.train.eval_batch_size, cfg.train.precision, cfg.data.pad_side)
+        suite.fire("on_end", {"val_loss": out["val_loss"]})
+    except Exception as exc:  # the crash is the outcome
+        out["crash"] = crash_record(exc, ctx.run.step if ctx.run is not None else None)
+        if suite is not None:
+            suite.fire("on_crash", out["crash"])
+    finally:
+        for h in handles:
+            h.remove()
+    out["wall_s"] = time.perf_counter() - start
+    if suite is None:  # the run could not even be built: no detector saw anything
+        out.update(findings=[], detector_errors={}, step_seconds={}, other_seconds={}, summaries={})
+        return out
+    out.update(findings=[f.to_dict() for f in suite.findings()], detector_errors=suite.errors,
+               step_seconds=suite.step_seconds, other_seconds=suite.other_seconds, summaries=suite.summaries())
+    return out
+
+
+def run_case_on_rank(rank: int, case_dict: dict, golden: dict | None, workdir: str) -> dict:
+    """RankPool entry: the case on this rank (the process group is initialized)."""
+    case = Case(case_dict["recipe"], case_dict["seed"], tuple(case_dict["faults"]), tuple(case_dict["detectors"]),
+                tuple(case_dict["plugins"]))
+    return run_case(case, golden, rank, workdir)
+
+
+def case_hash(case: Case, code_digest: str) -> str:
+    """Cache key: the case and the digest of every source file that can change its result."""
+    blob = json.dumps({"case": case.to_dict(), "code": code_digest}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def source_digest(*folders: str) -> str:
+    """sha256 over the Python sources of ``folders`` (relative to the repository root)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for folder in folders:
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+
+def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float = 120.0) -> dict:
+    """Run a case where its recipe needs it: here, or on every rank of ``pool`` (findings of all ranks
+    merged, the record of rank 0 otherwise). A rank failure (raise, death, hang) is a crash record."""
+    if RECIPES[case.recipe].world_size == 1:
+        return run_case(case, golden)
+    from harness.launch import RankFailure
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="faultbench-case-") as workdir:
+            ranks = pool.run(run_case_on_rank, case.to_dict(), golden, workdir, timeout_s=timeout_s)
+    except RankFailure as exc:
+        return {"case": case.to_dict(), "rank": 0, "history": [], "val_loss": None, "train_s": 0.0, "wall_s": 0.0,
+                "resumed_at": None, "findings": [], "detector_errors": {}, "step_seconds": {}, "other_seconds": {},
+                "summaries": {}, "crash": {"type": "RankFailure", "message": str(exc)[:500], "step": None, "frames": [],
+                          "traceback": ""}}
+    out = ranks[0]
+    seen = {(f["detector"], f["subsystem"], f["seam"]) for f in out["findings"]}
+    for other in ranks[1:]:
+        for f in other["findings"]:
+            if (f["detector"], f["subsystem"], f["seam"]) not in seen:
+                seen.add((f["detector"], f["subsystem"], f["seam"]))
+                out["findings"].append({**f, "evidence": {**f["evidence"], "rank": other["rank"]}})
+        out["crash"] = out["crash"] or other["crash"]
+        for d, err in other["detector_errors"].items():
+            out["detector_errors"].setdefault(d, f"rank {other['rank']}: {err}")
+    out["findings"].sort(key=lambda f: (-f["confidence"], f["step"] if f["step"] is not None else 1 << 30))
+    return out

@@ -1,0 +1,70 @@
+"""One case with a detector suite, for people: ``faultbench run --fault ID --detectors all``."""
+
+from __future__ import annotations
+
+import json
+
+from detectors.api import resolve_ids
+from harness.case import RECIPES, Case, execute, recipe_for
+
+
+def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None = None, plugins=()) -> dict:
+    """Run the faults (none: clean) in their recipe with the detectors; the case record, golden included."""
+    from faults.registry import get_fault, load_plugin
+    from harness.golden import load_golden
+
+    for plugin in plugins:
+        load_plugin(plugin)
+    specs = [get_fault(f) for f in fault_ids]
+    if recipe is None:
+        recipe = recipe_for(specs[0].manifest) if specs else "fp32"
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
+    case = Case(recipe, seed, tuple(fault_ids), tuple(resolve_ids(detectors)), tuple(plugins))
+    pool = None
+    if RECIPES[recipe].world_size > 1:
+        from harness.launch import RankPool
+
+        pool = RankPool(RECIPES[recipe].world_size)
+    try:
+        golden = load_golden([recipe], pool)[recipe]
+        return execute(case, golden, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def describe_findings(record: dict, limit: int = 20) -> str:
+    """The ranked findings of a case record with their evidence, and its crash and detector errors."""
+    case = record["case"]
+    lines = [f"case {'+'.join(case['faults']) or 'clean'} / {case['recipe']} / seed {case['seed']}: "
+             f"{len(record['history'])} steps, val_loss {record['val_loss']}"]
+    if record["crash"]:
+        c = record["crash"]
+        lines.append(f"crash at step {c['step']}: {c['type']}: {c['message'][:200]}")
+    if not record["findings"]:
+        lines.append("no findings")
+    for i, f in enumerate(record["findings"][:limit], 1):
+        lines.append(f"{i:>2}. [{f['confidence']:.2f}] step {f['step']}  {f['subsystem']} / {f['seam'] or '-'}  "
+                     f"({f['detector']})\n      {f['message']}\n      evidence: {json.dumps(f['evidence'])[:300]}")
+    for det, err in record["detector_errors"].items():
+        lines.append(f"detector error: {det}: {err}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m harness.detect FAULT|clean [RECIPE] [SEED]``: print the ranked findings (dev helper)."""
+    import sys
+
+    import torch
+
+    torch.set_num_threads(1)
+    args = (argv or sys.argv[1:]) + [None, None][: 3 - len(argv or sys.argv[1:])]
+    fault, recipe, seed = args[0], args[1], int(args[2] or 0)
+    record = detect(() if fault == "clean" else (fault,), seed, ("all",), recipe)
+    print(describe_findings(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

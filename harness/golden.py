@@ -1,0 +1,108 @@
+"""Golden runs: recorded traces of the clean reference for every recipe, the envelope detectors compare to.
+
+Detectors may compare a run with traces of clean reference runs (as TrainCheck infers invariants
+from clean runs). The traces come from seeds the bench never uses (``GOLDEN_SEEDS``), so a detector
+learns what a healthy run of the recipe looks like, never the numbers of the case it watches. They
+are cached in ``.cache/golden/`` keyed by the digest of ``model/`` and this file, and recorded again
+whenever either changes.
+
+A golden entry per recipe: {"seeds": [...], "runs": [trace, ...]} where a trace holds the step
+history (loss, grad_norm, lr, scale, skipped, tokens_per_s), the val loss, the model's structure
+(parameter count, shared parameters, shapes), each parameter's RMS at init, each module's output
+RMS in the first training forward, and the largest per-token L1 norm of d(loss)/d(logits) in the
+first micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from detectors.api import Detector, RunContext
+from harness.atomic import write_text
+
+GOLDEN_SEEDS = (1000, 1001)
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "golden"
+
+
+class GoldenRecorder(Detector):
+    """Not a detector: records what a clean run looks like (it never reports)."""
+
+    id = "golden_recorder"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trace: dict = {"activation_rms": {}, "grad_logits_l1": []}
+        self._handles: list = []
+
+    def summary(self) -> dict:
+        return self.trace
+
+    def on_start(self, ctx: RunContext) -> None:
+        model = ctx.run.model
+        shared: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(p), []).append(name)
+        self.trace["structure"] = {
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "shared": sorted(names for names in shared.values() if len(names) > 1),
+            "shapes": {name: list(p.shape) for name, p in model.named_parameters()},
+        }
+        self.trace["param_rms"] = {name: float(p.detach().float().pow(2).mean().sqrt())
+                                   for name, p in model.named_parameters()}
+        self._handles = [m.register_forward_hook(self._activation(name)) for name, m in model.named_modules()]
+
+    def _activation(self, name: str):
+        def hook(module, args, output):
+            if module.training and isinstance(output, torch.Tensor):
+                self.trace["activation_rms"].setdefault(name or "<model>", float(output.detach().float().pow(2)
+                                                                                 .mean().sqrt()))
+        return hook
+
+    def on_backward(self, ctx: RunContext, batch: dict, grad_logits: torch.Tensor) -> None:
+        if len(self.trace["grad_logits_l1"]) < 4:
+            self.trace["grad_logits_l1"].append(float(grad_logits.float().abs().sum(-1).max()))
+
+    def on_after_step(self, ctx: RunContext, record) -> None:
+        for h in self._handles:  # the first step's forwards are enough
+            h.remove()
+        self._handles = []
+
+    def on_end(self, ctx: RunContext, metrics: dict) -> None:
+        self.trace["val_loss"] = metrics["val_loss"]
+
+
+def record_run(recipe: str, seed: int, pool=None) -> dict:
+    """One golden run: the step history plus what the recorder saw."""
+    from harness.case import Case, execute
+
+    result = execute(Case(recipe, seed, detectors=(GoldenRecorder.id,)), None, pool)
+    if result["crash"]:
+        raise RuntimeError(f"the clean reference crashed in golden run {recipe}/s{seed}: {result['crash']['message']}")
+    trace = result["summaries"][GoldenRecorder.id]
+    history = result["history"]
+    trace.update({k: [h[k] for h in history] for k in ("loss", "grad_norm", "lr", "scale", "skipped", "tokens_per_s")})
+    return trace
+
+
+def digest() -> str:
+    from harness.case import source_digest
+
+    return source_digest("model", "harness/golden.py", "harness/case.py")[:16]
+
+
+def load_golden(recipes, pool=None, progress=None) -> dict:
+    """The golden entry of every recipe in ``recipes``, recorded (and cached) where missing."""
+    path = CACHE / f"{digest()}.json"
+    golden = json.loads(path.read_text()) if path.exists() else {}
+    missing = [r for r in recipes if r not in golden]
+    for recipe in missing:
+        golden[recipe] = {"seeds": list(GOLDEN_SEEDS), "runs": [record_run(recipe, s, pool) for s in GOLDEN_SEEDS]}
+        if progress:
+            progress(recipe)
+    if missing:
+        write_text(path, json.dumps(golden))
+    return {r: golden[r] for r in recipes}
