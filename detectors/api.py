@@ -109,6 +109,7 @@ class Detector:
     family: ClassVar[str] = ""  # the subsystem the detector mainly localizes (documentation, heatmap order)
     passive: ClassVar[bool] = True  # watches training steps (counted in the overhead) vs probes only
     baseline: ClassVar[bool] = False  # scored alongside the suite, not part of it
+    exclusive: ClassVar[bool] = False  # changes the run itself (e.g. anomaly mode): the bench runs it in its own case
     description: ClassVar[str] = ""
 
     def __init__(self) -> None:
