@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch is installed first and pinned for every later install, so pip can never swap in another build.
 TORCH  := torch==2.13.0
 
-.PHONY: setup test bench perf faults-report mutation lint clean
+.PHONY: setup test bench bench-quick perf faults-report mutation lint clean
 
 setup: $(VENV)/.installed
 
@@ -23,9 +23,12 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 test: setup
 	$(PY) -m pytest -n auto --dist loadgroup -q
 
-# Until the fault bench lands, the main job is the reference training run and its summary.
+# The main job: every fault x 3 seeds plus the clean matrix, scored; writes results/ (cached per case).
 bench: setup
-	$(PY) -m harness train --preset tiny
+	$(PY) -m harness bench
+
+bench-quick: setup
+	$(PY) -m harness bench --quick --out results/quick
 
 perf: setup
 	$(PY) -m benchmarks.perf

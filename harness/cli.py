@@ -121,6 +121,8 @@ def _run(args) -> int:
     _load_plugins(args)
     for fault_id in args.fault:
         get_fault(fault_id)  # unknown ids fail here, with a suggestion
+    if args.detectors:
+        return _run_detectors(args)
     variant = {"train": {}, "data": {}}
     if args.precision:
         variant["train"]["precision"] = args.precision
@@ -140,6 +142,63 @@ def _run(args) -> int:
         print(json.dumps(report, default=str))
     else:
         print(describe(report))
+    return 0
+
+
+def _run_detectors(args) -> int:
+    """The fault in its bench recipe with the detectors: the ranked findings with their evidence."""
+    from harness.detect import describe_findings, detect
+
+    record = detect(tuple(args.fault), args.seed, tuple(args.detectors), args.recipe, tuple(args.plugin or ()))
+    if args.json:
+        print(describe_findings(record), file=sys.stderr)
+        print(json.dumps({k: record[k] for k in ("case", "crash", "findings", "detector_errors", "val_loss")},
+                         default=str))
+    else:
+        print(describe_findings(record))
+    return 0
+
+
+def _detectors(args) -> int:
+    from detectors.api import all_detectors
+
+    registry = all_detectors()
+    if args.json:
+        print(json.dumps([{"id": d, "family": c.family, "passive": c.passive, "baseline": c.baseline,
+                           "exclusive": c.exclusive, "description": c.description} for d, c in registry.items()],
+                         indent=2))
+        return 0
+    for d, c in sorted(registry.items(), key=lambda kv: (kv[1].baseline, kv[1].family, kv[0])):
+        kind = "baseline" if c.baseline else c.family
+        print(f"{kind:<11} {d:<28} {'passive' if c.passive else 'probe':<8} {c.description}")
+    print(f"{len(registry)} detectors")
+    return 0
+
+
+def _bench(args) -> int:
+    from pathlib import Path
+
+    from detectors.api import all_detectors
+    from harness.bench import BenchConfig, run_bench
+    from harness.report import print_table
+
+    seeds = (0,) if args.quick else tuple(range(args.seeds))
+    cfg = BenchConfig(seeds=seeds, detectors=tuple(args.detectors or ("all",)), plugins=tuple(args.plugin or ()),
+                      only_plugin_faults=args.only_plugin_faults, faults=tuple(args.fault) if args.fault else None,
+                      jobs=args.jobs, out=Path(args.out), use_cache=not args.no_cache, progress=not args.json)
+    if args.fault:
+        from faults.registry import get_fault, load_plugin
+
+        for plugin in cfg.plugins:
+            load_plugin(plugin)
+        for fault_id in args.fault:
+            get_fault(fault_id)
+    summary = run_bench(cfg)
+    print_table(summary, all_detectors(), file=sys.stderr if args.json else sys.stdout)
+    print(f"results written to {args.out}/ (bench.csv, summary.json, leaderboard.md, heatmap.png)",
+          file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(summary))
     return 0
 
 
@@ -192,8 +251,29 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--accum", type=int)
     run.add_argument("--world-size", type=int, default=1, choices=(1, 2))
     run.add_argument("--plot", metavar="FILE.png", help="draw loss, grad norm, LR, scale, tokens/s: faulty vs clean")
+    run.add_argument("--detectors", nargs="+", metavar="ID",
+                     help="run the fault in its bench recipe with these detectors ('all', 'suite', 'baselines' or "
+                          "ids) and show the ranked findings")
+    run.add_argument("--recipe", help="with --detectors: the bench recipe (default: the fault's)")
     run.add_argument("--json", action="store_true", help="last stdout line is a JSON report")
     run.set_defaults(func=_run)
+
+    dets = sub.add_parser("detectors", help="list the registered detectors")
+    dets.add_argument("--json", action="store_true")
+    dets.set_defaults(func=_detectors)
+
+    bench = sub.add_parser("bench", help="every fault x seeds plus the clean matrix, scored; writes results/")
+    bench.add_argument("--quick", action="store_true", help="one seed")
+    bench.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    bench.add_argument("--plugin", action="append", help="load faults/detectors from a .py file or module")
+    bench.add_argument("--only-plugin-faults", action="store_true", help="score only the plugins' faults")
+    bench.add_argument("--fault", action="append", help="only this fault (repeatable)")
+    bench.add_argument("--detectors", nargs="+", metavar="ID", help="detector ids, 'all' (default), 'suite'")
+    bench.add_argument("--jobs", type=int, default=2, help="cases run in parallel (default 2)")
+    bench.add_argument("--out", default="results", help="output folder (default results/)")
+    bench.add_argument("--no-cache", action="store_true", help="recompute every case")
+    bench.add_argument("--json", action="store_true", help="table on stderr; last stdout line is summary.json")
+    bench.set_defaults(func=_bench)
     return parser
 
 

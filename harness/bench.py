@@ -1,0 +1,240 @@
+"""The bench: every fault x seeds plus the clean matrix, each case isolated, scored, written to results/.
+
+Cases: each registered fault runs in the recipe its manifest points to (``recipe_for``) with the whole
+suite plus the non-exclusive baselines; an exclusive detector (one that changes the run, like anomaly
+mode) gets its own case. The clean matrix is every recipe x seed with the same detectors.
+
+Isolation: a single-process case runs in a child forked from this process (which has imported torch
+and built the corpora once), with one torch thread and a timeout; a child that hangs is killed and
+recorded as a hang, one that dies as a crash. Data-parallel cases run on a 2-rank ``RankPool`` whose
+failures (raise, death, hang) come back as crash records. Each finished case is cached under
+``.cache/bench/<case hash>.json`` (the hash covers the case and every source it depends on), so a
+re-run recomputes only what changed; results are written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from detectors.api import all_detectors, resolve_ids
+from harness.atomic import write_text
+from harness.case import RECIPES, Case, case_hash, execute, recipe_for, run_case, source_digest
+from harness.score import SUITE, aggregate, case_rows, per_fault
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "bench"
+SEEDS = (0, 1, 2)
+CASE_TIMEOUT_S = 180.0
+TARGETS = {  # issue 5's goals, printed next to the measured values
+    "detection_rate": (">=", 0.95), "false_positive_rate": ("<=", 0.0), "top1_subsystem": (">=", 0.90),
+    "top1_seam": (">=", 0.75), "median_latency_steps": ("<=", 0), "overhead_ratio": ("<=", 1.05),
+}
+
+
+@dataclass
+class BenchConfig:
+    seeds: tuple[int, ...] = SEEDS
+    detectors: tuple[str, ...] = ("all",)
+    plugins: tuple[str, ...] = ()
+    only_plugin_faults: bool = False
+    faults: tuple[str, ...] | None = None  # None: every registered fault
+    clean: bool = True
+    jobs: int = max(1, min(os.cpu_count() or 1, 2))
+    out: Path = ROOT / "results"
+    use_cache: bool = True
+    timeout_s: float = CASE_TIMEOUT_S
+    progress: bool = True
+
+
+def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
+    """The cases to run and the metadata of the faults they inject (the scorer's answer key)."""
+    from faults.registry import FAULTS, all_faults, load_plugin
+
+    builtin = set(all_faults())
+    for plugin in cfg.plugins:
+        load_plugin(plugin)
+    specs = dict(all_faults())
+    if cfg.only_plugin_faults:
+        specs = {k: v for k, v in specs.items() if k not in builtin}
+    if cfg.faults is not None:
+        specs = {k: FAULTS[k] for k in cfg.faults}
+    registry = all_detectors()
+    ids = resolve_ids(cfg.detectors)
+    shared = tuple(d for d in ids if not registry[d].exclusive)
+    exclusive = [d for d in ids if registry[d].exclusive]
+    groups = ([shared] if shared else []) + [(d,) for d in exclusive]
+    cases = []
+    for seed in cfg.seeds:
+        for fault_id, spec in specs.items():
+            recipe = recipe_for(spec.manifest)
+            cases += [Case(recipe, seed, (fault_id,), group, cfg.plugins) for group in groups]
+        if cfg.clean:
+            cases += [Case(recipe, seed, (), group, cfg.plugins) for recipe in RECIPES for group in groups]
+    return cases, {k: v.metadata() for k, v in specs.items()}
+
+
+def code_digest() -> str:
+    return source_digest("model", "faults", "detectors", "harness/case.py", "harness/golden.py")[:16]
+
+
+# ---- isolated execution -------------------------------------------------------------------------
+
+def _child(case: Case, golden: dict | None, conn) -> None:
+    torch.set_num_threads(1)
+    try:
+        conn.send(run_case(case, golden))
+    except BaseException as exc:  # run_case contains crashes; this is the harness itself failing
+        conn.send({"harness_error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+
+
+def _failed(case: Case, kind: str, message: str) -> dict:
+    return {"case": case.to_dict(), "rank": 0, "history": [], "val_loss": None, "train_s": 0.0, "wall_s": 0.0,
+            "resumed_at": None, "findings": [], "detector_errors": {}, "step_seconds": {}, "other_seconds": {},
+            "summaries": {}, "hang": kind == "Hang",
+            "crash": {"type": kind, "message": message, "step": None, "frames": [], "traceback": ""}}
+
+
+class ForkRunner:
+    """Runs single-process cases in forked children, ``jobs`` at a time, each with a timeout."""
+
+    def __init__(self, jobs: int, timeout_s: float):
+        self.jobs, self.timeout_s = jobs, timeout_s
+        self.ctx = mp.get_context("fork")
+
+    def run(self, cases: list[Case], golden: dict, done) -> None:
+        pending = list(cases)
+        running: dict = {}  # conn -> (process, case, deadline)
+        while pending or running:
+            while pending and len(running) < self.jobs:
+                case = pending.pop(0)
+                parent, child = self.ctx.Pipe(duplex=False)
+                proc = self.ctx.Process(target=_child, args=(case, golden.get(case.recipe), child), daemon=True)
+                proc.start()
+                child.close()
+                running[parent] = (proc, case, time.monotonic() + self.timeout_s)
+            ready = mp.connection.wait(list(running), timeout=0.2)
+            for conn in ready:
+                proc, case, _ = running.pop(conn)
+                try:
+                    record = conn.recv()
+                except EOFError:
+                    proc.join(5)
+                    record = _failed(case, "WorkerDied", f"the case's process died (exit code {proc.exitcode})")
+                if "harness_error" in record:
+                    record = _failed(case, "HarnessError", record["harness_error"])
+                proc.join(5)
+                done(case, record)
+            for conn, (proc, case, deadline) in list(running.items()):
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    proc.join()
+                    running.pop(conn)
+                    done(case, _failed(case, "Hang", f"killed after {self.timeout_s:.0f}s without finishing"))
+
+
+def _warm_up(cases: list[Case]) -> None:
+    """Build each recipe's corpus here once, so every forked case starts with it in memory."""
+    from model.data import load_corpus
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' threads do not survive a fork
+    for data_cfg in {RECIPES[c.recipe].config(0).data for c in cases}:
+        load_corpus(data_cfg)
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.done, self.start = total, enabled, 0, time.monotonic()
+
+    def update(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        width = 30
+        filled = int(width * self.done / max(self.total, 1))
+        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.0f}s eta {eta:4.0f}s "
+              f"{label[:50]:<50}", end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the matrix (cached cases reused), score it, write results/, return summary.json's object."""
+    from harness.golden import load_golden
+    from harness.launch import RankPool
+
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    cases, faults = build_matrix(cfg)
+    digest = code_digest()
+    records: dict[Case, dict] = {}
+    todo = []
+    for case in cases:
+        path = CACHE / f"{case_hash(case, digest)}.json"
+        if cfg.use_cache and path.exists():
+            records[case] = json.loads(path.read_text())
+        else:
+            todo.append(case)
+    progress = Progress(len(cases), cfg.progress)
+    for case in records:
+        progress.update(f"cached {case.name}")
+
+    def done(case: Case, record: dict) -> None:
+        record["name"] = case.name
+        records[case] = record
+        if not record.get("hang") and (record["crash"] or {}).get("type") not in ("WorkerDied", "HarnessError"):
+            write_text(CACHE / f"{case_hash(case, digest)}.json", json.dumps(record))
+        progress.update(case.name)
+
+    single = [c for c in todo if RECIPES[c.recipe].world_size == 1]
+    ranked = [c for c in todo if RECIPES[c.recipe].world_size > 1]
+    recipes = sorted({c.recipe for c in todo})
+    pool = RankPool(2) if ranked else None
+    try:
+        golden = load_golden(recipes, pool) if recipes else {}
+        _warm_up(single)
+        ForkRunner(cfg.jobs, cfg.timeout_s).run(single, golden, done)
+        for case in ranked:
+            done(case, execute(case, golden.get(case.recipe), pool, timeout_s=cfg.timeout_s))
+    finally:
+        if pool is not None:
+            pool.close()
+    ordered = [records[c] for c in cases]
+    for c, r in zip(cases, ordered, strict=True):
+        r["name"] = c.name
+    summary = score_and_write(ordered, faults, cfg, wall_s=time.monotonic() - start)
+    return summary
+
+
+def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float) -> dict:
+    from harness.report import write_results
+
+    registry = all_detectors()
+    suite = [d for d in registry if not registry[d].baseline]
+    rows = [row for record in records for row in case_rows(record, faults, suite)]
+    passive = {d: cls.passive for d, cls in registry.items()}
+    detector_ids = list(dict.fromkeys(r["detector"] for r in rows))
+    scores = {d: aggregate([r for r in rows if r["detector"] == d], passive) for d in detector_ids}
+    summary = {
+        "suite": scores.pop(SUITE, None),
+        "detectors": scores,
+        "wall_s": round(wall_s, 1),
+        "cases": len(records),
+        "faults": len(faults),
+        "seeds": list(cfg.seeds),
+        "targets": {k: list(v) for k, v in TARGETS.items()},
+        "per_fault": per_fault(rows, faults),
+        "crashed_cases": sum(bool(r["crash"]) for r in records),
+        "hung_cases": sum(bool(r.get("hang")) for r in records),
+    }
+    write_results(cfg.out, rows, summary, faults, registry)
+    return summary

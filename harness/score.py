@@ -1,0 +1,126 @@
+"""Scoring: from case records to per-case rows (one per case x detector) and aggregate scores.
+
+Definitions (per detector, and for the suite = the union of the non-baseline detectors):
+- detected: at least one finding on a faulty case; false positive: at least one finding on a clean case;
+- localization: the detector's findings in rank order give a list of distinct subsystems (and of distinct
+  seams, findings without a seam skipped); the rank of the first acceptable one gives Top-1, Top-3 and
+  the reciprocal rank (0 when none is acceptable or nothing was found). A subsystem is acceptable if it
+  is the fault's or in its ``also_acceptable``; a seam if the fault replaces it;
+- latency: the step of the first finding with an acceptable subsystem minus the trigger step (the
+  resume step for on-resume faults, else 0);
+- overhead: train time / (train time - time spent in the passive detectors' step hooks), same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+SUITE = "suite"
+
+
+def _rank_of_first(values: list, acceptable) -> int | None:
+    seen: list = []
+    for v in values:
+        if v is None or v in seen:
+            continue
+        seen.append(v)
+        if acceptable(v):
+            return len(seen)
+    return None
+
+
+def score_findings(findings: list[dict], fault: dict | None, trigger_step: int) -> dict:
+    """Scores of one ranked list of findings against one fault (None: a clean case)."""
+    row = {"detected": bool(findings), "findings": len(findings),
+           "first_step": min((f["step"] for f in findings if f["step"] is not None), default=None)}
+    if fault is None:
+        return row
+    subsystems = {fault["subsystem"], *fault.get("also_acceptable", ())}
+    seams = set(fault["seams"])
+    sub_rank = _rank_of_first([f["subsystem"] for f in findings], subsystems.__contains__)
+    seam_rank = _rank_of_first([f["seam"] for f in findings], seams.__contains__)
+    correct_steps = [f["step"] for f in findings if f["subsystem"] in subsystems and f["step"] is not None]
+    for level, rank in (("subsystem", sub_rank), ("seam", seam_rank)):
+        row[f"top1_{level}"] = rank == 1
+        row[f"top3_{level}"] = rank is not None and rank <= 3
+        row[f"rr_{level}"] = 1.0 / rank if rank else 0.0
+    row["latency"] = min(correct_steps) - trigger_step if correct_steps else None
+    return row
+
+
+def trigger_step(fault: dict | None, record: dict) -> int:
+    if fault is not None and fault["trigger"] == "on-resume" and record.get("resumed_at") is not None:
+        return record["resumed_at"]
+    return 0
+
+
+def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str]) -> list[dict]:
+    """One row per detector of the case (and one for the suite when the case ran suite detectors)."""
+    case = record["case"]
+    fault = faults[case["faults"][0]] if case["faults"] else None
+    trig = trigger_step(fault, record)
+    base = {"case": record["name"], "fault": case["faults"][0] if case["faults"] else "", "recipe": case["recipe"],
+            "seed": case["seed"], "crash": (record["crash"] or {}).get("type", ""),
+            "hang": bool(record.get("hang")), "train_s": record.get("train_s", 0.0)}
+    rows = []
+    for det in case["detectors"]:
+        found = [f for f in record["findings"] if f["detector"] == det]
+        rows.append({**base, "detector": det, **score_findings(found, fault, trig),
+                     "step_s": record["step_seconds"].get(det, 0.0), "other_s": record["other_seconds"].get(det, 0.0),
+                     "error": record["detector_errors"].get(det, "")})
+    in_suite = [d for d in case["detectors"] if d in suite_ids]
+    if in_suite:
+        found = [f for f in record["findings"] if f["detector"] in in_suite]
+        rows.append({**base, "detector": SUITE, **score_findings(found, fault, trig),
+                     "step_s": sum(record["step_seconds"].get(d, 0.0) for d in in_suite),
+                     "other_s": sum(record["other_seconds"].get(d, 0.0) for d in in_suite),
+                     "error": "; ".join(f"{d}: {e}" for d, e in record["detector_errors"].items() if d in in_suite)})
+    return rows
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def aggregate(rows: list[dict], passive: dict[str, bool]) -> dict:
+    """Scores of one detector (or the suite) over its rows. ``passive``: detector id -> counts in overhead."""
+    faulty = [r for r in rows if r["fault"]]
+    clean = [r for r in rows if not r["fault"]]
+    latencies = [r["latency"] for r in faulty if r.get("latency") is not None]
+    ratios = [r["train_s"] / (r["train_s"] - r["step_s"]) for r in rows
+              if r["train_s"] > 0 and r["train_s"] > r["step_s"] and passive.get(r["detector"], True)]
+    out = {
+        "fault_cases": len(faulty),
+        "clean_cases": len(clean),
+        "detection_rate": _mean(r["detected"] for r in faulty),
+        "false_positive_rate": _mean(r["detected"] for r in clean),
+        "median_latency_steps": statistics.median(latencies) if latencies else None,
+        "errors": sum(bool(r["error"]) for r in rows),
+        "hook_s": sum(r["step_s"] + r["other_s"] for r in rows),
+        "overhead_ratio": statistics.median(ratios) if ratios else 1.0,
+    }
+    for level in ("subsystem", "seam"):
+        for metric in ("top1", "top3", "rr"):
+            key = f"{metric}_{level}" if metric != "rr" else f"mrr_{level}"
+            out[key] = _mean(r[f"{metric}_{level}"] for r in faulty)
+    return out
+
+
+def per_fault(rows: list[dict], faults: dict[str, dict]) -> dict:
+    """For each fault: how the suite did on each seed (detected, top-1 subsystem and seam, latency)."""
+    out = {}
+    for r in rows:
+        if r["detector"] != SUITE or not r["fault"]:
+            continue
+        entry = out.setdefault(r["fault"], {"subsystem": faults[r["fault"]]["subsystem"], "recipe": r["recipe"],
+                                            "seeds": 0, "detected": 0, "top1_subsystem": 0, "top1_seam": 0,
+                                            "latencies": [], "crashed": 0})
+        entry["seeds"] += 1
+        entry["detected"] += r["detected"]
+        entry["top1_subsystem"] += r["top1_subsystem"]
+        entry["top1_seam"] += r["top1_seam"]
+        entry["crashed"] += bool(r["crash"])
+        if r["latency"] is not None:
+            entry["latencies"].append(r["latency"])
+    return out

@@ -1,0 +1,58 @@
+"""Scoring: localization ranks, latency, false positives and overhead from hand-made findings."""
+
+import pytest
+
+from harness.score import aggregate, case_rows, score_findings
+
+FAULT = {"subsystem": "collate", "also_acceptable": ["mask"], "seams": ["model.data.collate"], "trigger": "always"}
+
+
+def finding(subsystem, seam=None, step=0, detector="d"):
+    return {"detector": detector, "step": step, "subsystem": subsystem, "seam": seam, "message": "", "evidence": {},
+            "confidence": 0.5}
+
+
+def test_top1_when_the_first_finding_names_the_subsystem_and_seam():
+    row = score_findings([finding("collate", "model.data.collate", step=0), finding("loss")], FAULT, 0)
+    assert row["detected"] and row["top1_subsystem"] and row["top1_seam"]
+    assert row["rr_subsystem"] == row["rr_seam"] == 1.0
+    assert row["latency"] == 0
+
+
+def test_ranks_count_distinct_locations_and_also_acceptable_subsystems():
+    findings = [finding("loss", "model.loss.lm_loss"), finding("loss", "model.loss.lm_loss"),
+                finding("optimizer", None), finding("mask", "model.attention.attend", step=3)]
+    row = score_findings(findings, FAULT, 0)
+    assert not row["top1_subsystem"] and row["top3_subsystem"]
+    assert row["rr_subsystem"] == pytest.approx(1 / 3)  # loss, optimizer, then mask (acceptable)
+    assert row["rr_seam"] == 0.0 and not row["top3_seam"]  # no finding names the fault's seam
+    assert row["latency"] == 3
+
+
+def test_nothing_found_scores_zero_and_no_latency():
+    row = score_findings([], FAULT, 0)
+    assert not row["detected"] and row["rr_subsystem"] == 0.0 and row["latency"] is None
+
+
+def test_latency_counts_from_the_resume_step_for_on_resume_faults():
+    fault = {**FAULT, "trigger": "on-resume"}
+    record = {"case": {"faults": ["f"], "recipe": "resume", "seed": 0, "detectors": ["d"]}, "name": "f/resume/s0",
+              "findings": [finding("collate", step=12)], "crash": None, "resumed_at": 12, "train_s": 1.0,
+              "step_seconds": {"d": 0.01}, "other_seconds": {}, "detector_errors": {}}
+    (row,) = case_rows(record, {"f": fault}, suite_ids=[])
+    assert row["latency"] == 0
+
+
+def test_aggregate_separates_clean_and_faulty_cases_and_measures_overhead():
+    timing = {"detector": "d", "train_s": 1.0, "step_s": 0.02, "other_s": 0.0}
+    perfect = {f"{m}_{lvl}": v for lvl in ("subsystem", "seam") for m, v in (("top1", True), ("top3", True), ("rr", 1.0))}
+    rows = [
+        {**timing, "fault": "f", "detected": True, "latency": 0, "error": "", **perfect},
+        {**timing, "fault": "", "detected": True, "error": ""},
+        {**timing, "fault": "", "detected": False, "error": "boom"},
+    ]
+    s = aggregate(rows, {"d": True})
+    assert s["detection_rate"] == 1.0 and s["false_positive_rate"] == 0.5
+    assert s["top1_subsystem"] == 1.0 and s["median_latency_steps"] == 0
+    assert s["overhead_ratio"] == pytest.approx(1 / 0.98)
+    assert s["errors"] == 1
