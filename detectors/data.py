@@ -1,1 +1,320 @@
-"""placeholder"""
+"""Data detectors: the tokenized corpus, the tokenizer, truncation and the ids of the real batches.
+
+Contracts checked (from the reference's documented conventions, reached only through the run):
+- every example is one document ``[bos, ..., eos]`` of at most ``data.seq_len`` ids, all inside the
+  model's vocabulary, with no special id inside it;
+- ``truncate(ids, max_len, eos)`` returns short lists unchanged and cuts long ones to exactly
+  ``max_len`` ids ending with EOS (the prefix kept);
+- the tokenizer's ``encode`` wraps a text as ``[bos, ..., eos]``, ``encode_batch`` agrees with it,
+  ``decode`` inverts it, and its special ids are distinct;
+- the real batches are padded with ``tokenizer.pad_id`` and hold only ids the embedding has.
+
+Localization is differential: a corpus that breaks the example convention is blamed on the seam whose
+probe fails (truncate, encode_batch, encode), and a batch padded with a wrong id is blamed on collate
+only if collate, given the tokenizer's pad id, pads wrongly too; otherwise on its caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from detectors.api import Detector, register
+
+TRUNCATE = "model.data.truncate"
+ENCODE = "model.tokenizer.Tokenizer.encode"
+ENCODE_BATCH = "model.tokenizer.Tokenizer.encode_batch"
+DECODE = "model.tokenizer.Tokenizer.decode"
+LOAD_CORPUS = "model.data.load_corpus"
+COLLATE = "model.data.collate"
+NEXT_MICRO_BATCHES = "model.train.next_micro_batches"
+
+SAMPLED_STEPS = 5  # passive hooks look at steps 0..4, then every EVERY-th step
+EVERY = 8
+
+
+def sampled(step: int) -> bool:
+    return step < SAMPLED_STEPS or step % EVERY == 0
+
+
+def special_ids(tok) -> dict[str, int]:
+    return {"pad": tok.pad_id, "bos": tok.bos_id, "eos": tok.eos_id, "unk": tok.unk_id}
+
+
+def ordinary_ids(tok, vocab: int, count: int, offset: int = 0) -> list[int]:
+    """``count`` ids that are not special tokens, cycling deterministically through the vocabulary."""
+    specials = set(special_ids(tok).values())
+    pool = [i for i in range(vocab) if i not in specials]
+    return [pool[(offset + 7 * k) % len(pool)] for k in range(count)]
+
+
+# ----------------------------------------------------------------------------------------------
+# corpus, truncation and tokenizer contracts (pure functions, unit-testable)
+
+
+def corpus_violations(docs, tok, seq_len: int, vocab: int, split: str) -> dict:
+    """Counts (and a few examples) of documents that break the ``[bos, ..., eos]``, <= seq_len convention."""
+    bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
+    counts = {"no_bos": 0, "no_eos": 0, "too_long": 0, "out_of_vocab": 0, "pad_inside": 0, "special_inside": 0}
+    examples: dict[str, list] = {}
+
+    def add(kind: str, index: int, doc) -> None:
+        counts[kind] += 1
+        if len(examples.setdefault(kind, [])) < 2:
+            examples[kind].append({"split": split, "index": index, "len": len(doc), "head": list(doc[:6]),
+                                   "tail": list(doc[-4:])})
+
+    for i, doc in enumerate(docs):
+        if not doc:
+            add("no_bos", i, doc)
+            continue
+        if doc[0] != bos:
+            add("no_bos", i, doc)
+        if doc[-1] != eos:
+            add("no_eos", i, doc)
+        if len(doc) > seq_len:
+            add("too_long", i, doc)
+        if min(doc) < 0 or max(doc) >= vocab:
+            add("out_of_vocab", i, doc)
+        if pad in doc:
+            add("pad_inside", i, doc)
+        if doc.count(bos) > (doc[0] == bos) or doc.count(eos) > (doc[-1] == eos):
+            add("special_inside", i, doc)
+    return {"counts": {k: v for k, v in counts.items() if v}, "examples": examples, "docs": len(docs)}
+
+
+def truncate_violations(truncate, max_len: int, bos: int, eos: int, words: list[int]) -> list[str]:
+    """Problems of ``truncate`` against its contract on document-like lists around ``max_len``."""
+    problems = []
+    for n in sorted({max(3, max_len - 1), max_len, max_len + 1, max_len + 2, 2 * max_len}):
+        ids = [bos, *(words[k % len(words)] for k in range(n - 2)), eos]
+        try:
+            out = list(truncate(list(ids), max_len, eos))
+        except Exception as exc:  # noqa: BLE001 - raising is itself a contract violation
+            problems.append(f"truncate(len {n}, max_len {max_len}) raised {type(exc).__name__}: {exc}")
+            continue
+        if n <= max_len:
+            if out != ids:
+                problems.append(f"truncate changed a document of {n} <= max_len {max_len} ids (now {len(out)})")
+            continue
+        if len(out) != max_len:
+            problems.append(f"truncate(len {n}, max_len {max_len}) returned {len(out)} ids, expected {max_len}")
+        if not out or out[-1] != eos:
+            problems.append(f"truncate(len {n}, max_len {max_len}) does not end with EOS {eos} "
+                            f"(last id {out[-1] if out else None})")
+        elif out[:-1] != ids[: max_len - 1]:
+            problems.append(f"truncate(len {n}, max_len {max_len}) does not keep the document's prefix")
+    return problems
+
+
+def sample_texts(ctx, count: int = 32) -> list[str]:
+    """Texts of untruncated training documents (decoded with the run's tokenizer), deterministic."""
+    tok, seq_len = ctx.run.tokenizer, ctx.config.data.seq_len
+    texts: list[str] = []
+    seen: set[str] = set()
+    for doc in ctx.run.corpus.train[:4000]:
+        if 3 <= len(doc) < seq_len:
+            text = tok.decode(doc)
+            if text and text not in seen:
+                seen.add(text)
+                texts.append(text)
+                if len(texts) >= count:
+                    break
+    return texts
+
+
+def tokenizer_violations(tok, texts: list[str]) -> dict[str, list[str]]:
+    """Problems per seam (encode, encode_batch, decode, specials) of the tokenizer on ``texts``."""
+    out: dict[str, list[str]] = {}
+
+    def add(seam: str, message: str) -> None:
+        if len(out.setdefault(seam, [])) < 4:
+            out[seam].append(message)
+
+    ids = special_ids(tok)
+    if len(set(ids.values())) != len(ids):
+        add("specials", f"special ids are not distinct: {ids}")
+    if any(not 0 <= v < tok.vocab_size for v in ids.values()):
+        add("specials", f"special ids outside the vocabulary of {tok.vocab_size}: {ids}")
+    if not texts:
+        return out
+    singles = [list(tok.encode(t)) for t in texts]
+    encode_ok = True
+    for text, e in zip(texts, singles, strict=True):
+        if len(e) < 2 or e[0] != tok.bos_id or e[-1] != tok.eos_id:
+            encode_ok = False
+            add(ENCODE, f"encode({text[:30]!r}) is not wrapped as [bos, ..., eos]: head {e[:3]}, tail {e[-2:]}")
+        elif any(i in (tok.bos_id, tok.eos_id, tok.pad_id) for i in e[1:-1]):
+            encode_ok = False
+            add(ENCODE, f"encode({text[:30]!r}) has a special id inside the document")
+    batch = [list(e) for e in tok.encode_batch(list(texts))]
+    if len(batch) != len(texts):
+        add(ENCODE_BATCH, f"encode_batch returned {len(batch)} documents for {len(texts)} texts")
+    else:
+        for text, e, b in zip(texts, singles, batch, strict=True):
+            if b != e:
+                wrapped = len(b) >= 2 and b[0] == tok.bos_id and b[-1] == tok.eos_id
+                add(ENCODE_BATCH if encode_ok or not wrapped else ENCODE,
+                    f"encode_batch and encode disagree on {text[:30]!r}: head {b[:3]} vs {e[:3]}, "
+                    f"tail {b[-2:]} vs {e[-2:]}")
+        lone = [list(tok.encode_batch([t])[0]) for t in texts[:4]]
+        if lone != batch[:4]:
+            add(ENCODE_BATCH, "encode_batch gives a text different ids alone and within a batch")
+    for text, e in zip(texts, singles, strict=True):
+        back = tok.decode(e)
+        if back != text:
+            add(DECODE, f"decode(encode(text)) != text: {text[:30]!r} -> {back[:30]!r}")
+    return out
+
+
+def _tokenizer_finding(problems: dict[str, list[str]]) -> tuple[str, str, float] | None:
+    """(seam, message, confidence) of the most specific tokenizer problem, or None."""
+    for seam, conf in ((ENCODE_BATCH, 0.9), (ENCODE, 0.9), (DECODE, 0.7)):
+        if seam in problems:
+            return seam, "; ".join(problems[seam]), conf
+    if "specials" in problems:
+        return "model.tokenizer.train_tokenizer", "; ".join(problems["specials"]), 0.7
+    return None
+
+
+@register
+class CorpusInvariants(Detector):
+    id = "corpus_invariants"
+    family = "data"
+    passive = False
+    description = ("every train/val example is [bos, ..., eos], <= seq_len, in the model's vocabulary; localized "
+                   "by probing truncate's and the tokenizer's contracts")
+
+    def on_start(self, ctx) -> None:
+        run, cfg = ctx.run, ctx.config
+        tok, seq_len, vocab = run.tokenizer, cfg.data.seq_len, cfg.model.vocab_size
+        found = {}
+        for split, docs in (("train", run.corpus.train), ("val", run.corpus.val)):
+            v = corpus_violations(docs, tok, seq_len, vocab, split)
+            if v["counts"]:
+                found[split] = v
+        with ctx.probe():
+            words = ordinary_ids(tok, min(vocab, tok.vocab_size), 2 * seq_len + 4)
+            trunc = []
+            for max_len in sorted({seq_len, 8}):
+                trunc += truncate_violations(ctx.seam(TRUNCATE), max_len, tok.bos_id, tok.eos_id, words)
+            tok_problems = tokenizer_violations(tok, sample_texts(ctx)) if found else {}
+        evidence = {split: v for split, v in found.items()}
+        if trunc:
+            self.report(ctx, "data", TRUNCATE, f"truncate breaks its contract: {'; '.join(trunc[:3])}",
+                        {"truncate": trunc[:6], "corpus": evidence}, confidence=0.9)
+        if not found:
+            return
+        kinds = sorted({k for v in found.values() for k in v["counts"]})
+        summary = ", ".join(f"{split}: {v['counts']} of {v['docs']}" for split, v in found.items())
+        tokenizer = _tokenizer_finding(tok_problems)
+        if tokenizer is not None:
+            seam, message, conf = tokenizer
+            self.report(ctx, "data", seam, f"corpus examples break [bos, ..., eos] ({summary}); {message}",
+                        {"corpus": evidence, "tokenizer": tok_problems}, confidence=conf)
+        elif not trunc or set(kinds) - {"no_eos", "too_long"}:
+            self.report(ctx, "data", LOAD_CORPUS,
+                        f"corpus examples break the [bos, ..., eos] <= seq_len={seq_len} convention ({summary}) "
+                        "although truncate and the tokenizer pass their probes", {"corpus": evidence},
+                        confidence=0.6)
+
+
+@register
+class TokenizerRoundtrip(Detector):
+    id = "tokenizer_roundtrip"
+    family = "data"
+    passive = False
+    description = "decode(encode(text)) == text, encode wraps [bos, ..., eos], encode_batch == encode, specials distinct"
+
+    def on_start(self, ctx) -> None:
+        tok = ctx.run.tokenizer
+        with ctx.probe():
+            problems = tokenizer_violations(tok, sample_texts(ctx))
+        finding = _tokenizer_finding(problems)
+        if finding is not None:
+            seam, message, conf = finding
+            self.report(ctx, "data", seam, f"the tokenizer breaks its contract: {message}", {"problems": problems},
+                        confidence=conf)
+
+
+def real_rows(batch: dict, pad_side: str) -> list[list[int]] | None:
+    """The documents of a collated batch read off its attention mask, or None if the mask looks wrong
+    (not a (B, T) 0/1 tensor, or a row whose real tokens do not sit on the padding side's edge)."""
+    ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        return None
+    m = mask.long()
+    if ((m != 0) & (m != 1)).any() or m.numel() == 0:
+        return None
+    edge = m[:, 0] if pad_side == "right" else m[:, -1]
+    if not bool(edge.all()):
+        return None
+    ids_cpu, m_cpu = ids.cpu(), m.cpu().bool()
+    return [ids_cpu[r][m_cpu[r]].tolist() for r in range(ids.shape[0])]
+
+
+@register
+class BatchSpecialIds(Detector):
+    id = "batch_special_ids"
+    family = "data"
+    passive = True
+    description = ("the real batches are padded with tokenizer.pad_id and hold only ids < model vocab; the run's "
+                   "collate with tokenizer.pad_id decides whether collate or its caller is at fault")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._done = False
+
+    def on_batch(self, ctx, micro_batches) -> None:
+        if self._done or not sampled(ctx.step):
+            return
+        pad_id, vocab = ctx.run.tokenizer.pad_id, ctx.config.model.vocab_size
+        for batch in micro_batches:
+            ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+            if not isinstance(ids, torch.Tensor):
+                continue
+            out_of_range = (ids < 0) | (ids >= vocab)
+            bad_pad = None
+            if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+                pads = ids[mask == 0]
+                if pads.numel() and bool((pads != pad_id).any()):
+                    values = torch.unique(pads)
+                    if values.numel() == 1:  # one consistent wrong pad id (not an inverted mask)
+                        bad_pad = int(values[0])
+            if bad_pad is None and not bool(out_of_range.any()):
+                continue
+            self._done = True
+            self._localize(ctx, batch, bad_pad, out_of_range, pad_id, vocab)
+            return
+
+    def _localize(self, ctx, batch, bad_pad, out_of_range, pad_id: int, vocab: int) -> None:
+        ids = batch["input_ids"]
+        evidence = {"pad_id": pad_id, "batch_pad_value": bad_pad, "model_vocab": vocab,
+                    "max_id": int(ids.max()), "ids_out_of_range": int(out_of_range.sum()), "shape": list(ids.shape)}
+        what = (f"batch padded with id {bad_pad}, not tokenizer.pad_id {pad_id}" if bad_pad is not None
+                else f"batch holds {evidence['ids_out_of_range']} ids outside [0, {vocab})")
+        if bad_pad is not None and not 0 <= bad_pad < vocab:
+            what += f" (id {bad_pad} is past the embedding table of {vocab} rows)"
+        side = ctx.config.data.pad_side
+        docs = real_rows(batch, side)
+        mask = batch.get("attention_mask")
+        real_bad = bool(out_of_range[mask.bool()].any()) if isinstance(mask, torch.Tensor) else True
+        if docs is None or real_bad:
+            seam = LOAD_CORPUS if real_bad and docs is not None else None
+            self.report(ctx, "data", seam, f"{what}; the offending ids sit on real tokens", evidence, confidence=0.5)
+            return
+        with ctx.probe():
+            try:
+                ref = ctx.seam(COLLATE)(docs, pad_id, side)
+                ref_ids, ref_mask = ref["input_ids"], ref["attention_mask"].bool()
+                collate_ok = bool((ref_ids[~ref_mask] == pad_id).all()) and bool((ref_ids < vocab).all())
+            except Exception as exc:  # noqa: BLE001
+                collate_ok, evidence["collate_error"] = False, f"{type(exc).__name__}: {exc}"
+        evidence["collate_with_pad_id_ok"] = collate_ok
+        if collate_ok:
+            self.report(ctx, "data", NEXT_MICRO_BATCHES,
+                        f"{what}; the run's collate called with tokenizer.pad_id pads correctly, so its caller "
+                        "passed the wrong pad id", evidence, confidence=0.8)
+        else:
+            self.report(ctx, "collate", COLLATE,
+                        f"{what}; the run's collate pads wrongly even when given tokenizer.pad_id", evidence,
+                        confidence=0.8)

@@ -45,7 +45,8 @@ def test_latency_counts_from_the_resume_step_for_on_resume_faults():
 
 def test_aggregate_separates_clean_and_faulty_cases_and_measures_overhead():
     timing = {"detector": "d", "train_s": 1.0, "step_s": 0.02, "other_s": 0.0}
-    perfect = {f"{m}_{lvl}": v for lvl in ("subsystem", "seam") for m, v in (("top1", True), ("top3", True), ("rr", 1.0))}
+    perfect = {f"{m}_{level}": v for level in ("subsystem", "seam")
+               for m, v in (("top1", True), ("top3", True), ("rr", 1.0))}
     rows = [
         {**timing, "fault": "f", "detected": True, "latency": 0, "error": "", **perfect},
         {**timing, "fault": "", "detected": True, "error": ""},
