@@ -33,6 +33,7 @@ bench-quick: setup
 perf: setup
 	$(PY) -m benchmarks.perf
 	$(PY) -m benchmarks.dist_startup
+	$(PY) -m benchmarks.detector_overhead
 
 # Every fault's manifest, run and tabulated with its evidence: results/faults.md.
 faults-report: setup

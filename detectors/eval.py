@@ -1,1 +1,227 @@
-"""placeholder"""
+"""Eval detectors: the eval loop's contract and the train/val split.
+
+``eval_contract`` probes the run's ``evaluate`` (documented: mean next-token cross-entropy per
+predicted token over real targets, in eval mode, without grads, batch-size independent, the model's
+mode restored afterwards). It calls ``evaluate`` with the model in train mode and watches the mode of
+every forward it makes, then recomputes the same number from the run's own collate and model (same
+batches, same autocast), so a difference can only come from the loop's aggregation; the run's loss
+function is checked first so a broken loss is not blamed on the loop. During the real end-of-run
+evaluation a forward pre-hook checks that the model is in eval mode.
+
+``split_overlap`` checks that no validation document is also a training document, and probes the run's
+``split_of`` (the seam that owns the split): the same text must always get the same split, and the
+texts of the corpus's val documents must be assigned to val.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.nn.functional as F
+
+from detectors.api import Detector, register
+
+EVALUATE = "model.evaluate.evaluate"
+COLLATE = "model.data.collate"
+LM_LOSS = "model.loss.lm_loss"
+COUNT_TARGETS = "model.loss.count_targets"
+AUTOCAST = "model.precision.autocast_context"
+SPLIT_OF = "model.corpus.split_of"
+PROBE_DOCS = 48
+PROBE_BATCH = 16
+REL_TOL = 1e-3
+
+
+def _ignore_default(fn) -> int:
+    try:
+        param = inspect.signature(fn).parameters.get("ignore_index")
+    except (TypeError, ValueError):
+        param = None
+    return param.default if param is not None and isinstance(param.default, int) else -100
+
+
+def replicate_eval(ctx, docs, batch_size: int) -> dict:
+    """What ``evaluate`` must return on ``docs``: the summed cross-entropy of every non-ignored label over
+    their count, from the run's collate and model in eval mode, and whether the run's lm_loss and
+    count_targets agree with a plain cross-entropy on these batches. Call inside ``ctx.probe()``."""
+    cfg, model = ctx.config, ctx.run.model
+    tok = ctx.run.tokenizer
+    collate, lm_loss, count_targets = ctx.seam(COLLATE), ctx.seam(LM_LOSS), ctx.seam(COUNT_TARGETS)
+    ignore = _ignore_default(collate)
+    device = next(model.parameters()).device
+    model.eval()
+    total, count, loss_fn_ok, notes = 0.0, 0, True, []
+    for i in range(0, len(docs), batch_size):
+        batch = {k: v.to(device) for k, v in collate(list(docs[i : i + batch_size]), tok.pad_id,
+                                                      cfg.data.pad_side).items()}
+        with ctx.seam(AUTOCAST)(cfg.train.precision, device.type):
+            logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+        targets = batch["labels"][:, 1:]
+        s = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                            ignore_index=ignore, reduction="sum").item()
+        n = int((targets != ignore).sum())
+        total, count = total + s, count + n
+        theirs_n = count_targets(batch["labels"])
+        theirs = float(lm_loss(logits, batch["labels"], n))
+        if theirs_n != n or abs(theirs - s / max(n, 1)) > REL_TOL * max(1.0, abs(s / max(n, 1))):
+            loss_fn_ok = False
+            notes.append({"count_targets": theirs_n, "targets": n, "lm_loss": theirs, "cross_entropy": s / max(n, 1)})
+    return {"loss": total / max(count, 1), "targets": count, "loss_fn_ok": loss_fn_ok, "loss_fn_notes": notes[:2]}
+
+
+@register
+class EvalContract(Detector):
+    id = "eval_contract"
+    family = "eval"
+    passive = False
+    description = ("evaluate runs the model in eval mode, restores its mode, and returns the token-mean loss over "
+                   "real targets (recomputed from the run's collate/model); the end-of-run eval runs in eval mode")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._handle = None
+        self._eval_modes: list[bool] = []
+        self._probe_modes: list[bool] | None = None
+        self._reported_mode = False
+        self._probe: dict = {}
+
+    def summary(self) -> dict:
+        return self._probe
+
+    # -- the mode watch: a forward pre-hook on the run's model ------------------------------------
+    def _watch(self, ctx) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+        def pre_hook(module, args):
+            if self._probe_modes is not None:
+                self._probe_modes.append(module.training)
+            elif ctx.phase == "eval":
+                self._eval_modes.append(module.training)
+
+        self._handle = ctx.run.model.register_forward_pre_hook(pre_hook)
+
+    def on_checkpoint_load(self, ctx, path) -> None:
+        self._watch(ctx)
+
+    def on_start(self, ctx) -> None:
+        self._watch(ctx)
+        self._probe_evaluate(ctx, "start")
+
+    def on_end(self, ctx, metrics) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if any(self._eval_modes) and not self._reported_mode:
+            self._reported_mode = True
+            self.report(ctx, "eval", EVALUATE,
+                        f"the end-of-run evaluation ran {sum(self._eval_modes)} of {len(self._eval_modes)} forwards "
+                        "with the model in train mode (dropout and other train-mode behaviour stay on)",
+                        {"forwards": len(self._eval_modes), "in_train_mode": sum(self._eval_modes)}, confidence=0.9)
+        if not self.findings:  # again with the trained model: aggregation errors can hide behind uniform logits
+            self._probe_evaluate(ctx, "end")
+
+    def _probe_evaluate(self, ctx, moment: str) -> None:
+        """Call the run's evaluate (model in train mode) and compare it with its contract."""
+        cfg, tok = ctx.config, ctx.run.tokenizer
+        docs = [d for d in ctx.run.corpus.val if 2 <= len(d) <= cfg.data.seq_len][:PROBE_DOCS]
+        if len(docs) < 4:
+            return
+        evaluate = ctx.seam(EVALUATE)
+        model = ctx.run.model
+        with ctx.probe(train_mode=True):
+            self._probe_modes = []
+            try:
+                value = float(evaluate(model, docs, tok.pad_id, PROBE_BATCH, cfg.train.precision, cfg.data.pad_side))
+                error = None
+            except Exception as exc:  # noqa: BLE001
+                value, error = None, f"{type(exc).__name__}: {exc}"
+            finally:
+                modes, self._probe_modes = self._probe_modes, None
+            restored = model.training
+            try:
+                ref = replicate_eval(ctx, docs, PROBE_BATCH)
+            except Exception as exc:  # noqa: BLE001 - the model or collate cannot run these docs: not eval's fault
+                ref = {"error": f"{type(exc).__name__}: {exc}"}
+        evidence = {"moment": moment, "evaluate": value, "evaluate_error": error, "reference": ref,
+                    "forwards": len(modes), "forwards_in_train_mode": sum(modes), "mode_restored": restored,
+                    "docs": len(docs), "batch_size": PROBE_BATCH}
+        self._probe[moment] = {"evaluate": value, "reference": ref.get("loss"), "forwards_in_train_mode": sum(modes)}
+        problems = []
+        if any(modes):
+            problems.append(f"evaluate ran {sum(modes)} of {len(modes)} forwards with the model in train mode "
+                            "(dropout and other train-mode behaviour stay on)")
+            self._reported_mode = True
+        if not restored:
+            problems.append("evaluate left a model that was training in eval mode (mode not restored)")
+        if "error" not in ref:
+            if error is not None:
+                problems.append(f"evaluate raised {error} on documents the model and collate handle")
+            elif ref["loss_fn_ok"] and abs(value - ref["loss"]) > REL_TOL * max(1.0, abs(ref["loss"])):
+                problems.append(f"evaluate returned {value:.4f} but the mean loss over the {ref['targets']} real "
+                                f"targets of the same batches is {ref['loss']:.4f}")
+        if problems:
+            self.report(ctx, "eval", EVALUATE, "evaluate breaks its contract: " + "; ".join(problems), evidence,
+                        confidence=0.9)
+
+    def on_crash(self, ctx, crash) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+@register
+class SplitOverlap(Detector):
+    id = "split_overlap"
+    family = "eval"
+    passive = False
+    description = ("no validation document is a training document; the run's split_of is deterministic per text "
+                   "and assigns the corpus's val texts to val")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._summary: dict = {}
+
+    def summary(self) -> dict:
+        return self._summary
+
+    def on_start(self, ctx) -> None:
+        corpus, tok, cfg = ctx.run.corpus, ctx.run.tokenizer, ctx.config
+        train = set(corpus.train)
+        overlap = sum(doc in train for doc in corpus.val)
+        evidence = {"val_docs": len(corpus.val), "val_docs_in_train": overlap, "train_docs": len(corpus.train)}
+        fraction = cfg.data.val_fraction
+        split_of = ctx.seam(SPLIT_OF)
+        seq_len = cfg.data.seq_len
+        unstable, wrong, wrong_count, checked = [], [], 0, 0
+        with ctx.probe():  # split_of may draw random numbers: the probe restores the RNGs
+            for split, docs in (("val", corpus.val[:200]), ("train", corpus.train[:200])):
+                for doc in docs:
+                    if not 3 <= len(doc) < seq_len:
+                        continue
+                    text = tok.decode(doc)
+                    if not text or list(tok.encode(text))[1:-1] != [i for i in doc if i not in
+                                                                     (tok.bos_id, tok.eos_id, tok.pad_id)]:
+                        continue  # the text does not round-trip: its split cannot be compared
+                    answers = [split_of(text, fraction) for _ in range(3)]
+                    checked += 1
+                    if len(set(answers)) > 1 and len(unstable) < 3:
+                        unstable.append({"text": text[:40], "answers": answers})
+                    elif answers[0] != split:
+                        wrong_count += 1
+                        if len(wrong) < 3:
+                            wrong.append({"text": text[:40], "split_of": answers[0], "corpus_split": split})
+        evidence.update(split_of_checked=checked, unstable=unstable, wrong_split=wrong, wrong_count=wrong_count)
+        self._summary = {k: evidence[k] for k in ("val_docs_in_train", "split_of_checked", "wrong_count")}
+        if unstable:
+            self.report(ctx, "eval", SPLIT_OF,
+                        f"split_of gives the same text different splits on repeated calls ({len(unstable)}+ texts); "
+                        f"{overlap} of {len(corpus.val)} val documents are also in train", evidence, confidence=0.9)
+        elif wrong_count >= 3:
+            self.report(ctx, "eval", SPLIT_OF,
+                        f"split_of disagrees with the corpus's split on {wrong_count} of {checked} documents; "
+                        f"{overlap} of {len(corpus.val)} val documents are also in train", evidence, confidence=0.8)
+        elif overlap >= max(2, 0.01 * len(corpus.val)):
+            self.report(ctx, "eval", None,
+                        f"{overlap} of {len(corpus.val)} val documents are also training documents although "
+                        "split_of looks deterministic", evidence, confidence=0.5)

@@ -1,1 +1,462 @@
-"""placeholder"""
+"""Mask detectors: the additive attention mask (causality and padding) and how attention applies it.
+
+Three probes, all at ``on_start`` on crafted inputs (no training step needed):
+- ``mask_contract`` calls the run's ``build_attention_mask`` directly (left padding, a cached decode
+  step, a prefill chunk; float32, bfloat16, float16) and also captures the mask the attention
+  modules actually receive, and checks the documented contract: shape (B, 1, T_q, T_k), 0 where a
+  query may attend (causal and key real, plus itself), a finite very negative value elsewhere.
+- ``causality_probe`` perturbs the tokens after position t and checks that the logits at <= t do not
+  move, on the mask-free fast path (no padding: the mask builder returns None) and on the explicit
+  mask path (left padding); which path leaks, and whether the mask is right, localizes the cause.
+- ``padding_invariance`` scores each document alone and inside a left- and a right-padded batch: the
+  logits of its real tokens must not depend on the padding its batch needed.
+
+Everything reaches the run through the context (``ctx.seam``, ``ctx.run``); nothing imports the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from detectors.api import Detector, register
+from detectors.probes import modules_named, sample_docs
+
+BUILD_MASK = "model.attention.build_attention_mask"
+ATTEND = "model.attention.attend"
+GPT_FORWARD = "model.gpt.GPT.forward"
+POSITIONS = "model.rope.position_ids_from_mask"
+
+# The crafted masks of the contract probe: (attention_mask rows, query_len, what it stands for).
+LEFT_PADDED = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]]
+CONTRACT_CASES = (
+    (LEFT_PADDED, 6, "left-padded prefill"),
+    ([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1]], 1, "cached decode step (T_q=1)"),
+    ([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1]], 3, "cached chunk (T_q=3 < T_k)"),
+    ([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], 6, "right-padded prefill (None allowed)"),
+)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCKED_MAX = -1e3  # a forbidden entry must hold a very negative value: anything above this lets it through
+LEAK_TOL = 1e-4  # fp32 probes: a causal model's early logits move by ~1e-7 when later tokens change
+
+
+def _device(ctx) -> torch.device:
+    return torch.device(ctx.config.train.device)
+
+
+def expected_allowed(attention_mask: torch.Tensor, query_len: int) -> torch.Tensor:
+    """(B, T_q, T_k) bool: the contract's allowed entries (causal and key real, plus the query itself)."""
+    _, key_len = attention_mask.shape
+    device = attention_mask.device
+    query_pos = torch.arange(key_len - query_len, key_len, device=device)[:, None]
+    key_pos = torch.arange(key_len, device=device)[None, :]
+    allowed = (key_pos <= query_pos) & attention_mask.bool()[:, None, :]
+    return allowed | (key_pos == query_pos)
+
+
+def is_right_padded(attention_mask: torch.Tensor) -> bool:
+    return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+
+
+def mask_problems(mask, attention_mask: torch.Tensor, query_len: int, dtype: torch.dtype) -> list[str]:
+    """What is wrong with ``mask`` as the additive mask of ``attention_mask`` for ``query_len`` queries."""
+    batch, key_len = attention_mask.shape
+    if mask is None:
+        if query_len == key_len and is_right_padded(attention_mask):
+            return []
+        return ["returned None (plain causal) for a batch that needs an explicit mask (left padding or a cache)"]
+    if not isinstance(mask, torch.Tensor):
+        return [f"returned {type(mask).__name__}, not a tensor"]
+    problems = []
+    if tuple(mask.shape) != (batch, 1, query_len, key_len):
+        problems.append(f"shape {tuple(mask.shape)}, expected {(batch, 1, query_len, key_len)}")
+        try:
+            mask = mask.expand(batch, 1, query_len, key_len)
+        except RuntimeError:
+            return problems
+    if mask.dtype != dtype:
+        problems.append(f"dtype {mask.dtype}, expected {dtype}")
+    values = mask[:, 0].double()
+    if not bool(torch.isfinite(values).all()):
+        problems.append(f"holds -inf/NaN in {dtype} (the constant must be finite in the compute dtype)")
+    allowed = expected_allowed(attention_mask, query_len)
+    let_through = values > BLOCKED_MAX
+    query_pos = torch.arange(key_len - query_len, key_len, device=values.device)[:, None]
+    key_pos = torch.arange(key_len, device=values.device)[None, :]
+    future = let_through & ~allowed & (key_pos > query_pos)
+    pad_keys = let_through & ~allowed & (key_pos < query_pos)
+    blocked = allowed & (values != 0)
+    if future.any():
+        problems.append(f"lets {int(future.sum())} queries see later keys (the causal part is wrong)")
+    if pad_keys.any():
+        problems.append(f"lets {int(pad_keys.sum())} real-token queries see pad keys (the padding part is missing "
+                        "or on the wrong axis)")
+    if blocked.any():
+        selfish = blocked & (key_pos == query_pos)
+        what = " (including a query's own key: a pad query's row is fully masked)" if selfish.any() else ""
+        problems.append(f"blocks {int(blocked.sum())} entries the contract allows{what}")
+    return problems
+
+
+def check_build_mask(fn, device, cases=CONTRACT_CASES, dtypes=DTYPES) -> dict[str, list[str]]:
+    """Run the mask builder on the crafted cases; {case/dtype: problems} for the failing ones."""
+    failures = {}
+    for rows, query_len, name in cases:
+        attention_mask = torch.tensor(rows, dtype=torch.long, device=device)
+        for dtype in dtypes:
+            try:
+                mask = fn(attention_mask, query_len, dtype)
+                problems = mask_problems(mask, attention_mask, query_len, dtype)
+            except Exception as exc:  # a crash on a documented input is a contract failure too
+                problems = [f"raised {type(exc).__name__}: {str(exc)[:160]}"]
+            if problems:
+                failures[f"{name}, {str(dtype).replace('torch.', '')}"] = problems
+    return failures
+
+
+def left_pad(docs, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (input_ids, attention_mask), built here so a collate bug cannot leak into the probe."""
+    width = max(len(d) for d in docs)
+    ids = torch.full((len(docs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(docs), width), dtype=torch.long)
+    for row, doc in enumerate(docs):
+        ids[row, width - len(doc):] = torch.tensor(doc)
+        mask[row, width - len(doc):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def right_pad(docs, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(d) for d in docs)
+    ids = torch.full((len(docs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(docs), width), dtype=torch.long)
+    for row, doc in enumerate(docs):
+        ids[row, : len(doc)] = torch.tensor(doc)
+        mask[row, : len(doc)] = 1
+    return ids.to(device), mask.to(device)
+
+
+class capture_masks:
+    """Context manager: the ``attn_mask`` every CausalSelfAttention module receives (forward pre-hooks)."""
+
+    def __init__(self, ctx):
+        self.modules = [m for _, m in modules_named(ctx, "CausalSelfAttention")]
+        self.masks: list = []
+        self.handles: list = []
+
+    def _hook(self, module, args, kwargs):
+        self.masks.append(args[2] if len(args) > 2 else kwargs.get("attn_mask"))
+
+    def __enter__(self):
+        self.handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
+
+
+def _reference_attention(q, k, v, additive):
+    scores = (q.double() @ k.double().transpose(-2, -1)) * q.size(-1) ** -0.5 + additive.double()
+    return (scores.softmax(-1) @ v.double())
+
+
+def attend_problems(fn, device) -> dict[str, str]:
+    """The run's attend against softmax(q k^T / sqrt(hs) + mask) v on random inputs: {"none": ...} when
+    the mask-free path (attn_mask=None, plain causal) is wrong, {"explicit": ...} when an explicit
+    left-padding mask is applied wrongly; {} when both agree."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=gen).to(device) for _ in range(3))
+    causal = torch.ones(6, 6, dtype=torch.bool, device=device).tril()
+    neg = torch.finfo(torch.float32).min
+    causal_add = torch.zeros(6, 6, device=device).masked_fill(~causal, neg)[None, None]
+    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], device=device)
+    explicit = torch.zeros(2, 1, 6, 6, device=device).masked_fill(~expected_allowed(attention_mask, 6)[:, None], neg)
+    problems = {}
+    for name, mask, additive in (("none", None, causal_add), ("explicit", explicit, explicit)):
+        try:
+            out = fn(q, k, v, mask, 0.0)
+        except Exception as exc:
+            problems[name] = f"raised {type(exc).__name__}: {str(exc)[:120]}"
+            continue
+        ref = _reference_attention(q, k, v, additive)
+        if tuple(out.shape) != tuple(ref.shape) or not torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-4):
+            problems[name] = "differs from softmax(q k^T / sqrt(hs) + mask) v"
+    return problems
+
+
+def attend_subsystem(problems: dict[str, str]) -> str:
+    """Only the mask-free path wrong: attention without a mask is not causal (mask); else the math (model)."""
+    return "mask" if set(problems) == {"none"} else "model"
+
+
+def positions_problem(fn, device) -> str | None:
+    """position_ids_from_mask on a left-padded mask (no cache, and a cache of 4 columns): real tokens
+    must be numbered 0, 1, ... from each row's first real token."""
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], device=device)
+    expected = (mask.cumsum(-1) - 1).clamp(min=0)
+    for past_len in (0, 4):
+        try:
+            got = fn(mask, past_len)
+        except Exception as exc:
+            return f"past_len={past_len} raised {type(exc).__name__}"
+        want = expected[:, past_len:]
+        real = mask[:, past_len:].bool()
+        if tuple(got.shape) != tuple(want.shape) or not torch.equal(got[real].long(), want[real]):
+            return f"past_len={past_len}: positions of real tokens {got.tolist()}, expected {want.tolist()}"
+    return None
+
+
+def _probe_docs(ctx, count: int = 4, max_len: int = 24) -> list[list[int]]:
+    """``count`` training documents of distinct lengths between 8 and ``max_len`` tokens."""
+    by_length: dict[int, list[int]] = {}
+    for doc in ctx.run.corpus.train[:2000]:
+        if 8 <= len(doc) <= max_len:
+            by_length.setdefault(len(doc), list(doc))
+    if len(by_length) < count:
+        return sample_docs(ctx, count, max_len=max_len)
+    lengths = sorted(by_length)
+    return [by_length[lengths[round(i * (len(lengths) - 1) / (count - 1))]] for i in range(count)]
+
+
+def raising_seam(ctx, exc: BaseException) -> str | None:
+    """The innermost seam on an exception's traceback (frames named module.qualname, as the seam table)."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        name = f"{tb.tb_frame.f_globals.get('__name__', '')}.{code.co_qualname}"
+        if name in ctx.seams:
+            found = name
+        tb = tb.tb_next
+    return found
+
+
+def report_raise(detector, ctx, exc: BaseException, what: str) -> None:
+    """A probe's forward raised on a documented input: report where (the innermost seam on the traceback)."""
+    seam = raising_seam(ctx, exc)
+    subsystem = ctx.seams.get(seam, "model") if seam else "model"
+    detector.report(ctx, subsystem, seam, f"the model raises on {what}: {type(exc).__name__}: {str(exc)[:160]}",
+                    evidence={"seam_on_traceback": seam}, confidence=0.6 if seam else 0.4)
+
+
+def _autocast(ctx):
+    precision = ctx.config.train.precision
+    return ctx.seam("model.precision.autocast_context")(precision, _device(ctx).type)
+
+
+@register
+class MaskContract(Detector):
+    id = "mask_contract"
+    family = "mask"
+    passive = False
+    description = ("build_attention_mask on crafted left-padded / cached masks in fp32, bf16, fp16 (and the mask the "
+                   "attention modules receive) against its contract: (B,1,Tq,Tk), 0 allowed, finite very negative "
+                   "blocked")
+
+    def on_start(self, ctx) -> None:
+        device = _device(ctx)
+        build = ctx.seam(BUILD_MASK)
+        failures = check_build_mask(build, device)
+        if failures:
+            first = next(iter(failures.items()))
+            self.report(ctx, "mask", BUILD_MASK,
+                        f"build_attention_mask breaks its contract ({len(failures)} of {len(CONTRACT_CASES) * 3} "
+                        f"cases): {first[0]}: {'; '.join(first[1])}",
+                        evidence={"failures": {k: v for k, v in list(failures.items())[:6]}}, confidence=0.9)
+            return
+        self._check_received(ctx)
+
+    def _check_received(self, ctx) -> None:
+        """The builder is right: does the model hand the attention modules what it builds?"""
+        tok = ctx.run.tokenizer
+        docs = _probe_docs(ctx, 3, max_len=16)
+        device = _device(ctx)
+        ids, attention_mask = left_pad(docs, tok.pad_id, device)
+        problems: dict[str, list[str]] = {}
+        with ctx.probe() as model:
+            runs = [("fp32", torch.float32, None)]
+            precision = ctx.config.train.precision
+            if precision in ("bf16", "fp16"):
+                runs.append((precision, torch.bfloat16 if precision == "bf16" else torch.float16, _autocast))
+            for name, dtype, autocast in runs:
+                with capture_masks(ctx) as cap:
+                    try:
+                        if autocast is None:
+                            model(ids, attention_mask)
+                        else:
+                            with autocast(ctx):
+                                model(ids, attention_mask)
+                    except Exception:  # noqa: BLE001 - a forward that raises is the model probes' finding
+                        continue
+                for i, mask in enumerate(cap.masks[:1]):
+                    found = mask_problems(mask, attention_mask, ids.shape[1], dtype)
+                    if found:
+                        problems[f"left-padded forward ({name}), module {i}"] = found
+            # one cached decode step
+            try:
+                cache = ctx.seam("model.gpt.KVCache")(ctx.config.model.n_layer, ids.shape[1] + 1)
+                model(ids, attention_mask, cache=cache)
+                step_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+                with capture_masks(ctx) as cap:
+                    model(ids[:, -1:], step_mask, cache=cache)
+                if cap.masks:
+                    found = mask_problems(cap.masks[0], step_mask, 1, torch.float32)
+                    if found:
+                        problems["cached decode step"] = found
+            except Exception:  # noqa: BLE001 - a broken cache is the kv_cache_consistency detector's finding
+                pass
+        if problems:
+            first = next(iter(problems.items()))
+            self.report(ctx, "mask", GPT_FORWARD,
+                        "build_attention_mask is right when called directly, but the attention modules receive a "
+                        f"different mask: {first[0]}: {'; '.join(first[1])}", evidence={"problems": problems},
+                        confidence=0.8)
+
+
+def _leak(logits_a: torch.Tensor, logits_b: torch.Tensor, keep: torch.Tensor) -> float:
+    """Largest change of logits on the ``keep`` positions (B, T bool), relative to their scale."""
+    if not keep.any():
+        return 0.0
+    a, b = logits_a[keep], logits_b[keep]
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("inf") if not torch.equal(a.isnan(), b.isnan()) else 0.0
+    return float((a - b).abs().max() / max(1.0, float(a.abs().max())))
+
+
+@register
+class CausalityProbe(Detector):
+    id = "causality_probe"
+    family = "mask"
+    passive = False
+    description = ("perturb the tokens after t: logits at <= t must not move, on the mask-free path (no padding) "
+                   "and the explicit-mask path (left padding); the leaking path localizes the cause")
+
+    def on_start(self, ctx) -> None:
+        try:
+            self._probe(ctx)
+        except Exception as exc:  # noqa: BLE001 - a crash on a documented input is evidence
+            report_raise(self, ctx, exc, "a causality probe (unpadded and left-padded batches)")
+
+    def on_end(self, ctx, metrics) -> None:
+        if not self.findings:  # a trained model leans on context far more: a faint leak at init shows now
+            try:
+                self._probe(ctx)
+            except Exception:  # noqa: BLE001 - reported at on_start already
+                pass
+
+    def _probe(self, ctx) -> None:
+        tok = ctx.run.tokenizer
+        device = _device(ctx)
+        vocab = tok.vocab_size
+        docs = _probe_docs(ctx, 4, max_len=24)
+        width = min(len(d) for d in docs)
+        leaks = {}
+        with ctx.probe() as model:
+            # mask-free path: every row real, the same length
+            ids = torch.tensor([d[:width] for d in docs], device=device)
+            t = width // 2
+            perturbed = ids.clone()
+            perturbed[:, t + 1:] = (perturbed[:, t + 1:] + 5) % vocab
+            with capture_masks(ctx) as cap:
+                a = model(ids).float()
+            b = model(perturbed).float()
+            none_path = bool(cap.masks) and cap.masks[0] is None
+            keep = torch.zeros(ids.shape, dtype=torch.bool, device=device)
+            keep[:, : t + 1] = True
+            leaks["unpadded"] = _leak(a, b, keep)
+            # explicit-mask path: left padding
+            ids, attention_mask = left_pad(docs, tok.pad_id, device)
+            width = ids.shape[1]
+            t = width - 4
+            perturbed = ids.clone()
+            perturbed[:, t + 1:] = (perturbed[:, t + 1:] + 5) % vocab  # the last columns are real in every row
+            a = model(ids, attention_mask).float()
+            b = model(perturbed, attention_mask).float()
+            keep = attention_mask.bool().clone()
+            keep[:, t + 1:] = False
+            leaks["left_padded"] = _leak(a, b, keep)
+        none_leak, mask_leak = leaks["unpadded"] > LEAK_TOL, leaks["left_padded"] > LEAK_TOL
+        if not (none_leak or mask_leak):
+            return
+        evidence = {"relative_logit_change": leaks, "unpadded_batch_used_mask_free_path": none_path}
+        mask_failures = check_build_mask(ctx.seam(BUILD_MASK), device, CONTRACT_CASES[:1], (torch.float32,))
+        if mask_leak and mask_failures:
+            evidence["mask_problems"] = mask_failures
+            self.report(ctx, "mask", BUILD_MASK, "future tokens change earlier logits with left padding, and "
+                        "build_attention_mask lets queries see what they must not", evidence, confidence=0.8)
+        elif mask_leak:
+            problems = attend_problems(ctx.seam(ATTEND), device)
+            evidence["attend"] = problems
+            self.report(ctx, "model", ATTEND, "future tokens change earlier logits although the mask is right: "
+                        "the attention math leaks the future", evidence, confidence=0.75 if problems else 0.6)
+        else:
+            evidence["mask_free_path"] = none_path
+            self.report(ctx, "mask", ATTEND, "future tokens change earlier logits only on the mask-free path "
+                        "(no padding, the mask builder returns None); with an explicit mask the model is causal: "
+                        "attention without a mask is not causal", evidence, confidence=0.75)
+
+
+@register
+class PaddingInvariance(Detector):
+    id = "padding_invariance"
+    family = "mask"
+    passive = False
+    description = "each document alone vs inside a left- and a right-padded batch: its real-token logits must match"
+
+    def on_start(self, ctx) -> None:
+        try:
+            self._probe(ctx)
+        except Exception as exc:  # noqa: BLE001 - a crash on a documented input is evidence
+            report_raise(self, ctx, exc, "a document alone or in a padded batch")
+
+    def on_end(self, ctx, metrics) -> None:
+        if not self.findings:
+            try:
+                self._probe(ctx)
+            except Exception:  # noqa: BLE001 - reported at on_start already
+                pass
+
+    def _probe(self, ctx) -> None:
+        tok = ctx.run.tokenizer
+        device = _device(ctx)
+        docs = _probe_docs(ctx, 4, max_len=24)
+        gaps = {}
+        with ctx.probe() as model:
+            alone = [model(torch.tensor([d], device=device)).float()[0] for d in docs]
+            for side, pad in (("left", left_pad), ("right", right_pad)):
+                ids, attention_mask = pad(docs, tok.pad_id, device)
+                batched = model(ids, attention_mask).float()
+                worst = 0.0
+                for row in range(len(docs)):
+                    real = attention_mask[row].bool()
+                    got, want = batched[row][real], alone[row]
+                    if not torch.isfinite(got).all():
+                        worst = float("inf")
+                        break
+                    worst = max(worst, float((got - want).abs().max() / max(1.0, float(want.abs().max()))))
+                gaps[side] = worst
+        bad = [side for side, gap in gaps.items() if gap > LEAK_TOL]
+        if not bad:
+            return
+        evidence = {"relative_logit_gap": gaps}
+        mask_failures = check_build_mask(ctx.seam(BUILD_MASK), device, CONTRACT_CASES[:1], (torch.float32,))
+        positions = positions_problem(ctx.seam(POSITIONS), device)
+        attend = attend_problems(ctx.seam(ATTEND), device)
+        what = f"a document's real-token logits change when it is {' and '.join(bad)}-padded in a batch"
+        if "left" in bad and mask_failures:
+            evidence["mask_problems"] = mask_failures
+            self.report(ctx, "mask", BUILD_MASK, f"{what}; build_attention_mask lets real tokens see pads or the "
+                        "future", evidence, confidence=0.8)
+        elif "left" in bad and positions:
+            evidence["positions"] = positions
+            self.report(ctx, "position", POSITIONS, f"{what}; left padding moves the positions", evidence,
+                        confidence=0.75)
+        elif attend:
+            evidence["attend"] = attend
+            self.report(ctx, attend_subsystem(attend), ATTEND, f"{what}; attend breaks its contract", evidence,
+                        confidence=0.7)
+        elif bad == ["right"]:
+            self.report(ctx, "mask", ATTEND, f"{what}, while the left-padded (explicit mask) batch is fine: the "
+                        "mask-free path lets real tokens see the pads after them", evidence, confidence=0.6)
+        else:
+            self.report(ctx, "mask", None, what, evidence, confidence=0.4)

@@ -27,6 +27,7 @@ import torch
 from detectors.api import all_detectors, resolve_ids
 from harness.atomic import write_text
 from harness.case import RECIPES, Case, case_hash, execute, recipe_for, run_case, source_digest
+from harness.detect import detector_groups
 from harness.score import SUITE, aggregate, case_rows, per_fault
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +67,7 @@ def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
         specs = {k: v for k, v in specs.items() if k not in builtin}
     if cfg.faults is not None:
         specs = {k: FAULTS[k] for k in cfg.faults}
-    registry = all_detectors()
-    ids = resolve_ids(cfg.detectors)
-    shared = tuple(d for d in ids if not registry[d].exclusive)
-    exclusive = [d for d in ids if registry[d].exclusive]
-    groups = ([shared] if shared else []) + [(d,) for d in exclusive]
+    groups = detector_groups(resolve_ids(cfg.detectors))
     cases = []
     for seed in cfg.seeds:
         for fault_id, spec in specs.items():

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import json
 
-from detectors.api import resolve_ids
+from detectors.api import all_detectors, resolve_ids
 from harness.case import RECIPES, Case, execute, recipe_for
 
 
+def detector_groups(ids) -> list[tuple[str, ...]]:
+    """The detectors that can share a run, then each exclusive one (it changes the run) on its own."""
+    registry = all_detectors()
+    shared = tuple(d for d in ids if not registry[d].exclusive)
+    return ([shared] if shared else []) + [(d,) for d in ids if registry[d].exclusive]
+
+
 def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None = None, plugins=()) -> dict:
-    """Run the faults (none: clean) in their recipe with the detectors; the case record, golden included."""
+    """Run the faults (none: clean) in their recipe with the detectors; the case record, with the findings
+    of exclusive detectors (run in their own cases) merged into its ranked list."""
     from faults.registry import get_fault, load_plugin
     from harness.golden import load_golden
 
@@ -20,7 +28,8 @@ def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None
         recipe = recipe_for(specs[0].manifest) if specs else "fp32"
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
-    case = Case(recipe, seed, tuple(fault_ids), tuple(resolve_ids(detectors)), tuple(plugins))
+    cases = [Case(recipe, seed, tuple(fault_ids), group, tuple(plugins)) for group in
+             detector_groups(resolve_ids(detectors))]
     pool = None
     if RECIPES[recipe].world_size > 1:
         from harness.launch import RankPool
@@ -28,10 +37,15 @@ def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None
         pool = RankPool(RECIPES[recipe].world_size)
     try:
         golden = load_golden([recipe], pool)[recipe]
-        return execute(case, golden, pool)
+        record, *others = [execute(case, golden, pool) for case in cases]
     finally:
         if pool is not None:
             pool.close()
+    for other in others:
+        record["findings"] += other["findings"]
+        record["detector_errors"].update(other["detector_errors"])
+    record["findings"].sort(key=lambda f: (-f["confidence"], f["step"] if f["step"] is not None else 1 << 30))
+    return record
 
 
 def describe_findings(record: dict, limit: int = 20) -> str:

@@ -1,0 +1,72 @@
+"""Step-time cost of the passive detectors: the same case with and without them, side by side.
+
+    python -m benchmarks.detector_overhead [--recipes fp32 accum left_pad] [--steps 120] [--repeats 5] [--json]
+
+For each recipe the clean case runs ``repeats`` times with no detector, with the passive suite
+detectors (those that work inside training steps) and with the whole suite, interleaved, and the
+median training time (the steps only: probes at start/end are not step time) is compared. The bench
+reports the same quantity by accounting (time spent inside the detectors' step hooks); this measures
+it end to end, hook dispatch included. Target: passive suite / none <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+
+import torch
+
+from detectors.api import all_detectors, suite_ids
+from harness.case import RECIPES, Case, run_case
+from harness.golden import load_golden
+
+TARGET = 1.05
+
+
+def measure(recipe: str, steps: int, repeats: int) -> dict:
+    registry = all_detectors()
+    suite = tuple(suite_ids())
+    passive = tuple(d for d in suite if registry[d].passive)
+    golden = load_golden([recipe])[recipe]
+    variants = {"none": (), "passive": passive, "suite": suite}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, detectors in variants.items():
+            record = run_case(Case(recipe, 0, (), detectors), golden)
+            assert record["crash"] is None and not record["findings"], record["findings"] or record["crash"]
+            times[name].append(record["train_s"] / len(record["history"]))
+    base = statistics.median(times["none"])
+    return {"recipe": recipe, "steps": steps, "ms_per_step": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+            "passive_ratio": statistics.median(times["passive"]) / base,
+            "suite_ratio": statistics.median(times["suite"]) / base, "passive_detectors": len(passive)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", default=["fp32", "accum", "left_pad"])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results = []
+    for recipe in args.recipes:
+        if RECIPES[recipe].world_size > 1:
+            raise SystemExit(f"{recipe}: single-process recipes only")
+        # a longer run than the bench's so per-step timings are stable
+        RECIPES[recipe] = dataclasses.replace(RECIPES[recipe], steps=args.steps)
+        results.append(measure(recipe, args.steps, args.repeats))
+    for r in results:
+        ms = r["ms_per_step"]
+        print(f"{r['recipe']:<9} none {ms['none']:.2f} ms/step  passive ({r['passive_detectors']}) "
+              f"{ms['passive']:.2f} ms -> ratio {r['passive_ratio']:.3f}  whole suite {ms['suite']:.2f} ms -> "
+              f"{r['suite_ratio']:.3f}  (target passive <= {TARGET})")
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

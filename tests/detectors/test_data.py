@@ -1,0 +1,89 @@
+"""Data detectors: truncation, tokenizer and batch-id contracts on hand-broken functions; silent on the reference."""
+
+import pytest
+
+from detectors.api import RunContext
+from detectors.data import (
+    BatchSpecialIds,
+    CorpusInvariants,
+    TokenizerRoundtrip,
+    corpus_violations,
+    tokenizer_violations,
+    truncate_violations,
+)
+from model.data import collate, truncate
+from model.run import build_run
+from model.seams import SEAMS, resolve
+
+
+@pytest.fixture(scope="module")
+def run(tiny_cfg):
+    return build_run(tiny_cfg.replace(train={"steps": 2, "warmup_steps": 0}))
+
+
+def context(run, **replaced):
+    return RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
+
+
+WORDS = list(range(10, 200))
+
+
+def test_reference_truncate_keeps_its_contract():
+    assert truncate_violations(truncate, 64, 1, 2, WORDS) == []
+    assert truncate_violations(truncate, 8, 1, 2, WORDS) == []
+
+
+def test_truncate_contract_flags_dropped_eos_and_one_past():
+    def drops_eos(ids, max_len, eos_id):
+        return ids if len(ids) <= max_len else ids[:max_len]
+
+    def one_past(ids, max_len, eos_id):
+        return ids if len(ids) <= max_len + 1 else ids[:max_len] + [eos_id]
+
+    assert any("EOS" in p for p in truncate_violations(drops_eos, 64, 1, 2, WORDS))
+    assert any("returned 65 ids" in p for p in truncate_violations(one_past, 64, 1, 2, WORDS))
+
+
+def test_reference_corpus_and_tokenizer_are_clean(run):
+    tok = run.tokenizer
+    assert corpus_violations(run.corpus.val, tok, 64, 256, "val")["counts"] == {}
+    texts = [tok.decode(d) for d in run.corpus.train[:20]]
+    assert tokenizer_violations(tok, texts) == {}
+    for det in (CorpusInvariants(), TokenizerRoundtrip()):
+        det.on_start(context(run))
+        assert not det.findings, det.findings
+
+
+class NoBosBatch:
+    """The run's tokenizer, except that encode_batch forgets BOS."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id
+        self.vocab_size = tok.vocab_size
+
+    def encode(self, text):
+        return self._tok.encode(text)
+
+    def encode_batch(self, texts):
+        return [e[1:] for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids):
+        return self._tok.decode(ids)
+
+
+def test_tokenizer_contract_blames_encode_batch(run):
+    tok = NoBosBatch(run.tokenizer)
+    texts = [tok.decode(d) for d in run.corpus.train[:10]]
+    assert "model.tokenizer.Tokenizer.encode_batch" in tokenizer_violations(tok, texts)
+
+
+def test_wrong_pad_id_is_blamed_on_the_caller(run):
+    docs = [list(d) for d in run.corpus.train[:8]]
+    batch = collate(docs, run.config.model.vocab_size, "right")  # padded with an id past the vocabulary
+    det = BatchSpecialIds()
+    det.on_batch(context(run), [batch])
+    assert [(f.subsystem, f.seam) for f in det.findings] == [("data", "model.train.next_micro_batches")]
+    clean = BatchSpecialIds()
+    clean.on_batch(context(run), [collate(docs, run.tokenizer.pad_id, "right")])
+    assert not clean.findings
