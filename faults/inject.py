@@ -34,6 +34,12 @@ from model.seams import resolve
 ROOT = Path(__file__).resolve().parent.parent
 # modules whose functions feed the in-process corpus cache (model.data.load_corpus)
 _CORPUS_MODULES = {"model.corpus", "model.tokenizer", "model.data"}
+# functions of those modules that never run while the corpus is built: replacing them keeps the cache
+_NOT_IN_CORPUS = {"collate"}
+
+
+def _touches_corpus(plan: dict[str, dict[str, str]]) -> bool:
+    return any(set(plan[m]) - _NOT_IN_CORPUS for m in _CORPUS_MODULES & plan.keys())
 
 
 def _module_of(seam: str) -> str:
@@ -207,7 +213,7 @@ def injected(*fault_ids: str):
         if "model.tokenizer" in plan:  # a faulty tokenizer must never land in the shared disk cache
             tmp_cache = tempfile.mkdtemp(prefix="faultbench-tok-")
             os.environ["TOKENIZER_CACHE_DIR"] = tmp_cache
-        if _CORPUS_MODULES & plan.keys():
+        if _touches_corpus(plan):
             _clear_corpus_caches()
         yield specs
     finally:
@@ -224,5 +230,5 @@ def injected(*fault_ids: str):
             else:
                 os.environ["TOKENIZER_CACHE_DIR"] = env_saved
             shutil.rmtree(tmp_cache, ignore_errors=True)
-        if _CORPUS_MODULES & plan.keys():
+        if _touches_corpus(plan):
             _clear_corpus_caches()

@@ -28,7 +28,7 @@ from detectors.api import all_detectors, resolve_ids
 from harness.atomic import write_text
 from harness.case import RECIPES, Case, case_hash, execute, recipe_for, run_case, source_digest
 from harness.detect import detector_groups
-from harness.score import SUITE, aggregate, case_rows, per_fault
+from harness.score import SUITE, aggregate, case_rows, exclusive_overhead, per_fault
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench"
@@ -48,6 +48,7 @@ class BenchConfig:
     only_plugin_faults: bool = False
     faults: tuple[str, ...] | None = None  # None: every registered fault
     clean: bool = True
+    exclusive: bool = True  # also run the exclusive detectors (each needs its own run of every case)
     jobs: int = max(1, min(os.cpu_count() or 1, 2))
     out: Path = ROOT / "results"
     use_cache: bool = True
@@ -67,7 +68,8 @@ def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
         specs = {k: v for k, v in specs.items() if k not in builtin}
     if cfg.faults is not None:
         specs = {k: FAULTS[k] for k in cfg.faults}
-    groups = detector_groups(resolve_ids(cfg.detectors))
+    groups = [g for g in detector_groups(resolve_ids(cfg.detectors)) if cfg.exclusive or len(g) > 1
+              or not all_detectors()[g[0]].exclusive]
     cases = []
     for seed in cfg.seeds:
         for fault_id, spec in specs.items():
@@ -140,12 +142,15 @@ class ForkRunner:
 
 
 def _warm_up(cases: list[Case]) -> None:
-    """Build each recipe's corpus here once, so every forked case starts with it in memory."""
-    from model.data import load_corpus
+    """Build each recipe's run here once, so every forked case starts with its corpus in memory and torch's
+    lazy imports done (the first optimizer imports torch._dynamo: 1.4 s per process otherwise)."""
+    from model.run import build_run
+    from model.train import next_micro_batches, train_step
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' threads do not survive a fork
-    for data_cfg in {RECIPES[c.recipe].config(0).data for c in cases}:
-        load_corpus(data_cfg)
+    for recipe in {c.recipe for c in cases if RECIPES[c.recipe].world_size == 1}:
+        run = build_run(RECIPES[recipe].config(0))
+        train_step(run, next_micro_batches(run))
 
 
 class Progress:
@@ -194,25 +199,34 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     single = [c for c in todo if RECIPES[c.recipe].world_size == 1]
     ranked = [c for c in todo if RECIPES[c.recipe].world_size > 1]
-    recipes = sorted({c.recipe for c in todo})
     pool = RankPool(2) if ranked else None
+    runner = ForkRunner(cfg.jobs, cfg.timeout_s)
+
+    def run_all(batch: list[Case], golden: dict, on_done) -> None:
+        runner.run([c for c in batch if RECIPES[c.recipe].world_size == 1], golden, on_done)
+        for case in (c for c in batch if RECIPES[c.recipe].world_size > 1):
+            on_done(case, execute(case, golden.get(case.recipe), pool, timeout_s=cfg.timeout_s))
+
+    def run_golden(golden_cases: list[Case]) -> list[dict]:
+        finished: dict[Case, dict] = {}
+        run_all(golden_cases, {}, finished.__setitem__)
+        return [finished[c] for c in golden_cases]
+
     try:
-        golden = load_golden(recipes, pool) if recipes else {}
-        _warm_up(single)
-        ForkRunner(cfg.jobs, cfg.timeout_s).run(single, golden, done)
-        for case in ranked:
-            done(case, execute(case, golden.get(case.recipe), pool, timeout_s=cfg.timeout_s))
+        _warm_up(todo)
+        golden = load_golden(sorted({c.recipe for c in todo}), run_cases=run_golden) if todo else {}
+        run_all(todo, golden, done)
     finally:
         if pool is not None:
             pool.close()
     ordered = [records[c] for c in cases]
     for c, r in zip(cases, ordered, strict=True):
         r["name"] = c.name
-    summary = score_and_write(ordered, faults, cfg, wall_s=time.monotonic() - start)
-    return summary
+    return score_and_write(ordered, faults, cfg, wall_s=time.monotonic() - start, cached=len(cases) - len(todo))
 
 
-def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float) -> dict:
+def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float,
+                    cached: int = 0) -> dict:
     from harness.report import write_results
 
     registry = all_detectors()
@@ -221,11 +235,15 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
     passive = {d: cls.passive for d, cls in registry.items()}
     detector_ids = list(dict.fromkeys(r["detector"] for r in rows))
     scores = {d: aggregate([r for r in rows if r["detector"] == d], passive) for d in detector_ids}
+    for d in detector_ids:
+        if d in registry and registry[d].exclusive:
+            scores[d]["overhead_ratio"] = exclusive_overhead(rows, d)
     summary = {
         "suite": scores.pop(SUITE, None),
         "detectors": scores,
         "wall_s": round(wall_s, 1),
         "cases": len(records),
+        "cached_cases": cached,  # taken from .cache/bench (wall_s then covers only the rest)
         "faults": len(faults),
         "seeds": list(cfg.seeds),
         "targets": {k: list(v) for k, v in TARGETS.items()},

@@ -184,6 +184,7 @@ def _bench(args) -> int:
 
     seeds = (0,) if args.quick else tuple(range(args.seeds))
     cfg = BenchConfig(seeds=seeds, detectors=tuple(args.detectors or ("all",)), plugins=tuple(args.plugin or ()),
+                      exclusive=not args.quick,
                       only_plugin_faults=args.only_plugin_faults, faults=tuple(args.fault) if args.fault else None,
                       jobs=args.jobs, out=Path(args.out), use_cache=not args.no_cache, progress=not args.json)
     if args.fault:
@@ -263,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     dets.set_defaults(func=_detectors)
 
     bench = sub.add_parser("bench", help="every fault x seeds plus the clean matrix, scored; writes results/")
-    bench.add_argument("--quick", action="store_true", help="one seed")
+    bench.add_argument("--quick", action="store_true",
+                       help="one seed, and no exclusive detectors (anomaly mode needs a second run of every case)")
     bench.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     bench.add_argument("--plugin", action="append", help="load faults/detectors from a .py file or module")
     bench.add_argument("--only-plugin-faults", action="store_true", help="score only the plugins' faults")

@@ -75,15 +75,21 @@ class GoldenRecorder(Detector):
         self.trace["val_loss"] = metrics["val_loss"]
 
 
-def record_run(recipe: str, seed: int, pool=None) -> dict:
-    """One golden run: the step history plus what the recorder saw."""
-    from harness.case import Case, execute
+def golden_cases(recipes) -> list:
+    """The clean cases whose traces make the golden entries of ``recipes``."""
+    from harness.case import Case
 
-    result = execute(Case(recipe, seed, detectors=(GoldenRecorder.id,)), None, pool)
-    if result["crash"]:
-        raise RuntimeError(f"the clean reference crashed in golden run {recipe}/s{seed}: {result['crash']['message']}")
-    trace = result["summaries"][GoldenRecorder.id]
-    history = result["history"]
+    return [Case(recipe, seed, detectors=(GoldenRecorder.id,)) for recipe in recipes for seed in GOLDEN_SEEDS]
+
+
+def trace_of(record: dict) -> dict:
+    """A golden trace from a finished golden case: its step history plus what the recorder saw."""
+    case = record["case"]
+    if record["crash"]:
+        raise RuntimeError(f"the clean reference crashed in golden run {case['recipe']}/s{case['seed']}: "
+                           f"{record['crash']['message']}")
+    trace = dict(record["summaries"][GoldenRecorder.id])
+    history = record["history"]
     trace.update({k: [h[k] for h in history] for k in ("loss", "grad_norm", "lr", "scale", "skipped", "tokens_per_s")})
     return trace
 
@@ -94,15 +100,22 @@ def digest() -> str:
     return source_digest("model", "harness/golden.py", "harness/case.py")[:16]
 
 
-def load_golden(recipes, pool=None, progress=None) -> dict:
-    """The golden entry of every recipe in ``recipes``, recorded (and cached) where missing."""
+def load_golden(recipes, pool=None, run_cases=None) -> dict:
+    """The golden entry of every recipe in ``recipes``, recorded (and cached) where missing.
+
+    ``run_cases(cases) -> records`` runs the missing golden cases (the bench runs them in parallel);
+    by default they run one after the other here (on ``pool`` for the data-parallel recipes).
+    """
+    from harness.case import execute
+
     path = CACHE / f"{digest()}.json"
     golden = json.loads(path.read_text()) if path.exists() else {}
-    missing = [r for r in recipes if r not in golden]
-    for recipe in missing:
-        golden[recipe] = {"seeds": list(GOLDEN_SEEDS), "runs": [record_run(recipe, s, pool) for s in GOLDEN_SEEDS]}
-        if progress:
-            progress(recipe)
-    if missing:
-        write_text(path, json.dumps(golden))
+    missing = golden_cases([r for r in recipes if r not in golden])
+    if not missing:
+        return {r: golden[r] for r in recipes}
+    records = run_cases(missing) if run_cases else [execute(case, None, pool) for case in missing]
+    for case, record in zip(missing, records, strict=True):
+        entry = golden.setdefault(case.recipe, {"seeds": list(GOLDEN_SEEDS), "runs": []})
+        entry["runs"].append(trace_of(record))
+    write_text(path, json.dumps(golden))
     return {r: golden[r] for r in recipes}

@@ -107,6 +107,15 @@ def aggregate(rows: list[dict], passive: dict[str, bool]) -> dict:
     return out
 
 
+def exclusive_overhead(rows: list[dict], detector: str) -> float | None:
+    """An exclusive detector changes the run itself (anomaly mode slows every op), so its overhead is its
+    case's train time over the paired suite case's train time without the suite's step hooks."""
+    base = {r["case"]: r["train_s"] - r["step_s"] for r in rows if r["detector"] == SUITE and r["train_s"] > 0}
+    ratios = [r["train_s"] / base[r["case"]] for r in rows
+              if r["detector"] == detector and r["train_s"] > 0 and base.get(r["case"], 0) > 0 and not r["crash"]]
+    return statistics.median(ratios) if ratios else None
+
+
 def per_fault(rows: list[dict], faults: dict[str, dict]) -> dict:
     """For each fault: how the suite did on each seed (detected, top-1 subsystem and seam, latency)."""
     out = {}

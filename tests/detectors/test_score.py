@@ -57,3 +57,11 @@ def test_aggregate_separates_clean_and_faulty_cases_and_measures_overhead():
     assert s["top1_subsystem"] == 1.0 and s["median_latency_steps"] == 0
     assert s["overhead_ratio"] == pytest.approx(1 / 0.98)
     assert s["errors"] == 1
+
+
+def test_an_exclusive_detector_is_charged_its_whole_slowdown_against_the_paired_suite_case():
+    from harness.score import SUITE, exclusive_overhead
+
+    rows = [{"case": "c", "detector": SUITE, "train_s": 1.1, "step_s": 0.1, "crash": ""},
+            {"case": "c", "detector": "anomaly", "train_s": 3.0, "step_s": 0.0, "crash": ""}]
+    assert exclusive_overhead(rows, "anomaly") == pytest.approx(3.0)
