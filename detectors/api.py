@@ -56,6 +56,7 @@ class RunContext:
     seams: dict[str, str] = field(default_factory=dict)  # the localization vocabulary: seam name -> subsystem
     golden: dict | None = None
     phase: str = "train"  # "train", "eval" (the end-of-run evaluation), "probe"
+    _memo: dict = field(default_factory=dict, repr=False)
 
     @property
     def config(self):
@@ -69,6 +70,14 @@ class RunContext:
         """The run's live function for a seam name such as ``"model.data.collate"`` (a class name such as
         ``"model.gpt.KVCache"`` also resolves). Under injection this is the code the run executes."""
         return self.seam_resolver(name)
+
+    def memo(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per run (the resumed run is a new one): a verdict several detectors use,
+        such as "lm_loss honours its contract", is probed once and shared."""
+        cached = self._memo.get(key)
+        if cached is None or cached[0] is not self.run:
+            cached = self._memo[key] = (self.run, compute())
+        return cached[1]
 
     @contextlib.contextmanager
     def probe(self, train_mode: bool = False):
