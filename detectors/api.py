@@ -123,6 +123,7 @@ class Detector:
 
     def __init__(self) -> None:
         self.findings: list[Finding] = []
+        self._reported_keys: set[str] = set()
 
     def report(self, ctx: RunContext, subsystem: str, seam: str | None, message: str, evidence: dict | None = None,
                confidence: float = 0.7, step: int | None = None) -> None:
@@ -130,6 +131,12 @@ class Detector:
             raise ValueError(f"{self.id}: unknown subsystem {subsystem!r}; expected one of {SUBSYSTEMS}")
         self.findings.append(Finding(self.id, ctx.step if step is None else step, subsystem, seam, message,
                                      _jsonable(evidence or {}), confidence))
+
+    def report_once(self, key: str, ctx: RunContext, *args, **kwargs) -> None:
+        """``report``, unless this detector already reported under ``key`` (one finding per kind of problem)."""
+        if key not in self._reported_keys:
+            self._reported_keys.add(key)
+            self.report(ctx, *args, **kwargs)
 
     @property
     def fired(self) -> bool:

@@ -117,12 +117,6 @@ class LossCurve(Detector):
         super().__init__()
         self.losses: dict[int, float] = {}
         self._resumed_at: int | None = None
-        self._reported: set[str] = set()
-
-    def _once(self, key: str, ctx, *args, **kwargs) -> None:
-        if key not in self._reported:
-            self._reported.add(key)
-            self.report(ctx, *args, **kwargs)
 
     def _golden(self, ctx: RunContext) -> list[list[float]]:
         runs = (ctx.golden or {}).get("runs", [])
@@ -136,28 +130,29 @@ class LossCurve(Detector):
         self.losses[step] = loss
         if not math.isfinite(loss):
             amp = ctx.config.train.precision != "fp32"
-            self._once("nan", ctx, "precision" if amp else "model", None,
-                       f"the training loss is {loss} at step {step}", {"loss": str(loss)}, confidence=0.35, step=step)
+            self.report_once("nan", ctx, "precision" if amp else "model", None,
+                             f"the training loss is {loss} at step {step}", {"loss": str(loss)}, confidence=0.35,
+                             step=step)
             return
         if self._resumed_at is not None and step in (self._resumed_at, self._resumed_at + 1):
             before = [self.losses[s] for s in range(self._resumed_at - 3, self._resumed_at) if s in self.losses]
             if before and loss - sum(before) / len(before) > self.MARGIN:
-                self._once("resume", ctx, "checkpoint", None,
-                           f"the loss jumps from {before[-1]:.3f} to {loss:.3f} right after resuming at step "
-                           f"{self._resumed_at}", {"before": before, "after": loss}, confidence=0.35, step=step)
+                self.report_once("resume", ctx, "checkpoint", None,
+                                 f"the loss jumps from {before[-1]:.3f} to {loss:.3f} right after resuming at step "
+                                 f"{self._resumed_at}", {"before": before, "after": loss}, confidence=0.35, step=step)
         golden = [g[step] for g in self._golden(ctx) if step < len(g) and math.isfinite(g[step])]
         if golden and step >= 2:
             high, low = max(golden), min(golden)
             if loss > high + self.MARGIN + 0.1 * high:
-                self._once("high", ctx, "optimizer", None,
-                           f"step {step}: loss {loss:.3f} is far above clean runs of this recipe "
-                           f"({low:.3f}..{high:.3f})",
-                           {"loss": loss, "golden": golden}, confidence=0.3, step=step)
+                self.report_once("high", ctx, "optimizer", None,
+                                 f"step {step}: loss {loss:.3f} is far above clean runs of this recipe "
+                                 f"({low:.3f}..{high:.3f})",
+                                 {"loss": loss, "golden": golden}, confidence=0.3, step=step)
             elif loss < low - self.MARGIN - 0.1 * low:
-                self._once("low", ctx, "loss", None,
-                           f"step {step}: loss {loss:.3f} is far below clean runs of this recipe "
-                           f"({low:.3f}..{high:.3f}): the targets may leak into the inputs",
-                           {"loss": loss, "golden": golden}, confidence=0.3, step=step)
+                self.report_once("low", ctx, "loss", None,
+                                 f"step {step}: loss {loss:.3f} is far below clean runs of this recipe "
+                                 f"({low:.3f}..{high:.3f}): the targets may leak into the inputs",
+                                 {"loss": loss, "golden": golden}, confidence=0.3, step=step)
 
     def on_end(self, ctx: RunContext, metrics: dict) -> None:
         steps = sorted(s for s, v in self.losses.items() if math.isfinite(v))
@@ -166,9 +161,9 @@ class LossCurve(Detector):
         head = [self.losses[s] for s in steps[:2]]
         tail = [self.losses[s] for s in steps[-4:]]
         if sum(tail) / len(tail) > sum(head) / len(head) - 0.1:
-            self._once("flat", ctx, "optimizer", None,
-                       f"the loss does not decrease: {sum(head) / 2:.3f} over the first steps, "
-                       f"{sum(tail) / 4:.3f} over the last", {"head": head, "tail": tail}, confidence=0.3)
+            self.report_once("flat", ctx, "optimizer", None,
+                             f"the loss does not decrease: {sum(head) / 2:.3f} over the first steps, "
+                             f"{sum(tail) / 4:.3f} over the last", {"head": head, "tail": tail}, confidence=0.3)
 
 
 @register

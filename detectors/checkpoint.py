@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from detectors import probes
 from detectors.api import Detector, RunContext, register
 
 LOAD, SAVE = "model.checkpoint.load_checkpoint", "model.checkpoint.save_checkpoint"
@@ -241,9 +242,8 @@ class ResumeContinuity(Detector):
     def _share(self, ctx: RunContext, diffs: dict) -> dict[str, int]:
         """How many ranks found each component differing (the local flags when not distributed)."""
         flags = torch.tensor([1.0 if c in diffs else 0.0 for c in COMPONENTS], dtype=torch.float64)
-        if ctx.run.world_size > 1 and dist.is_available() and dist.is_initialized():
-            device = torch.device(ctx.config.train.device)
-            flags = flags.to(device)
+        if probes.group_ready(ctx):
+            flags = flags.to(probes.device(ctx))
             dist.all_reduce(flags)
             flags = flags.cpu()
         return {c: int(round(float(v))) for c, v in zip(COMPONENTS, flags, strict=True)}

@@ -11,10 +11,9 @@ that show only on the rare unpadded batch or only under left padding are found b
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
+from detectors import probes
 from detectors.api import Detector, register
 
 COLLATE = "model.data.collate"
@@ -32,14 +31,6 @@ def crafted_batches(bos: int, eos: int, words: list[int]) -> dict[str, list[list
         "unpadded": [doc(6, 2), doc(6, 5), doc(6, 13)],
         "single": [doc(4, 17)],
     }
-
-
-def default_ignore_index(collate) -> int | None:
-    try:
-        param = inspect.signature(collate).parameters.get("ignore_index")
-    except (TypeError, ValueError):
-        return None
-    return param.default if param is not None and isinstance(param.default, int) else None
 
 
 def collate_violations(collate, docs: list[list[int]], pad_id: int, side: str, vocab: int,
@@ -142,7 +133,7 @@ class CollateContract(Detector):
         specials = {tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id}
         words = [i for i in range(4, min(vocab, tok.vocab_size)) if i not in specials][:40]
         collate = ctx.seam(COLLATE)
-        ignore_default = default_ignore_index(collate)
+        ignore_default = probes.default_ignore_index(collate)
         problems: dict[str, list[str]] = {}
         cases = []
         sides = [ctx.config.data.pad_side] + [s for s in ("right", "left") if s != ctx.config.data.pad_side]

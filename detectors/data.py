@@ -21,6 +21,7 @@ import itertools
 import numpy as np
 import torch
 
+from detectors import probes
 from detectors.api import Detector, register
 
 TRUNCATE = "model.data.truncate"
@@ -30,14 +31,6 @@ DECODE = "model.tokenizer.Tokenizer.decode"
 LOAD_CORPUS = "model.data.load_corpus"
 COLLATE = "model.data.collate"
 NEXT_MICRO_BATCHES = "model.train.next_micro_batches"
-
-SAMPLED_STEPS = 5  # passive hooks look at steps 0..4, then every EVERY-th step
-EVERY = 8
-
-
-def sampled(step: int) -> bool:
-    return step < SAMPLED_STEPS or step % EVERY == 0
-
 
 def special_ids(tok) -> dict[str, int]:
     return {"pad": tok.pad_id, "bos": tok.bos_id, "eos": tok.eos_id, "unk": tok.unk_id}
@@ -247,58 +240,34 @@ class TokenizerRoundtrip(Detector):
                         confidence=conf)
 
 
-def real_rows(batch: dict, pad_side: str) -> list[list[int]] | None:
-    """The documents of a collated batch read off its attention mask, or None if the mask looks wrong
-    (not a (B, T) 0/1 tensor, or a row whose real tokens do not sit on the padding side's edge)."""
-    ids, mask = batch.get("input_ids"), batch.get("attention_mask")
-    if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
-        return None
-    m = mask.long()
-    if ((m != 0) & (m != 1)).any() or m.numel() == 0:
-        return None
-    edge = m[:, 0] if pad_side == "right" else m[:, -1]
-    if not bool(edge.all()):
-        return None
-    ids_cpu, m_cpu = ids.cpu(), m.cpu().bool()
-    return [ids_cpu[r][m_cpu[r]].tolist() for r in range(ids.shape[0])]
-
-
 @register
-class BatchSpecialIds(Detector):
+class BatchSpecialIds(probes.BatchWatch):
     id = "batch_special_ids"
     family = "data"
     passive = True
     description = ("the real batches are padded with tokenizer.pad_id and hold only ids < model vocab; the run's "
                    "collate with tokenizer.pad_id decides whether collate or its caller is at fault")
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._done = False
-
-    def on_batch(self, ctx, micro_batches) -> None:
-        if self._done or not sampled(ctx.step):
-            return
+    def check_batch(self, ctx, batch) -> bool:
         pad_id, vocab = ctx.run.tokenizer.pad_id, ctx.config.model.vocab_size
-        for batch in micro_batches:
-            ids, mask = batch.get("input_ids"), batch.get("attention_mask")
-            if not isinstance(ids, torch.Tensor):
-                continue
-            out_of_range = (ids < 0) | (ids >= vocab)
-            masked = isinstance(mask, torch.Tensor) and mask.shape == ids.shape
-            suspect = out_of_range | ((ids != pad_id) & (mask == 0)) if masked else out_of_range
-            if not bool(suspect.any()):  # the one sync of a healthy batch
-                continue
-            bad_pad = None
-            if masked:
-                pads = ids[mask == 0]
-                values = torch.unique(pads)
-                if values.numel() == 1 and int(values[0]) != pad_id:  # one consistent wrong pad id
-                    bad_pad = int(values[0])  # (varied "pad" values mean an inverted mask: collate's problem)
-            if bad_pad is None and not bool(out_of_range.any()):
-                continue
-            self._done = True
-            self._localize(ctx, batch, bad_pad, out_of_range, pad_id, vocab)
-            return
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+        if not isinstance(ids, torch.Tensor):
+            return False
+        out_of_range = (ids < 0) | (ids >= vocab)
+        masked = isinstance(mask, torch.Tensor) and mask.shape == ids.shape
+        suspect = out_of_range | ((ids != pad_id) & (mask == 0)) if masked else out_of_range
+        if not bool(suspect.any()):  # the one sync of a healthy batch
+            return False
+        bad_pad = None
+        if masked:
+            pads = ids[mask == 0]
+            values = torch.unique(pads)
+            if values.numel() == 1 and int(values[0]) != pad_id:  # one consistent wrong pad id
+                bad_pad = int(values[0])  # (varied "pad" values mean an inverted mask: collate's problem)
+        if bad_pad is None and not bool(out_of_range.any()):
+            return False
+        self._localize(ctx, batch, bad_pad, out_of_range, pad_id, vocab)
+        return True
 
     def _localize(self, ctx, batch, bad_pad, out_of_range, pad_id: int, vocab: int) -> None:
         ids = batch["input_ids"]
@@ -309,20 +278,21 @@ class BatchSpecialIds(Detector):
         if bad_pad is not None and not 0 <= bad_pad < vocab:
             what += f" (id {bad_pad} is past the embedding table of {vocab} rows)"
         side = ctx.config.data.pad_side
-        docs = real_rows(batch, side)
+        docs = probes.documents(batch, side)
         mask = batch.get("attention_mask")
         real_bad = bool(out_of_range[mask.bool()].any()) if isinstance(mask, torch.Tensor) else True
         if docs is None or real_bad:
             seam = LOAD_CORPUS if real_bad and docs is not None else None
             self.report(ctx, "data", seam, f"{what}; the offending ids sit on real tokens", evidence, confidence=0.5)
             return
-        with ctx.probe():
-            try:
-                ref = ctx.seam(COLLATE)(docs, pad_id, side)
-                ref_ids, ref_mask = ref["input_ids"], ref["attention_mask"].bool()
-                collate_ok = bool((ref_ids[~ref_mask] == pad_id).all()) and bool((ref_ids < vocab).all())
-            except Exception as exc:  # noqa: BLE001
-                collate_ok, evidence["collate_error"] = False, f"{type(exc).__name__}: {exc}"
+
+        def pads_right(ref: dict) -> bool:
+            ref_ids, ref_mask = ref["input_ids"], ref["attention_mask"].bool()
+            return bool((ref_ids[~ref_mask] == pad_id).all()) and bool((ref_ids < vocab).all())
+
+        collate_ok, error = probes.recollate(ctx, docs, side, pads_right)
+        if error is not None:
+            collate_ok, evidence["collate_error"] = False, error
         evidence["collate_with_pad_id_ok"] = collate_ok
         if collate_ok:
             self.report(ctx, "data", NEXT_MICRO_BATCHES,

@@ -41,35 +41,22 @@ MEAN = "model.distributed.mean_over_ranks"
 RTOL = 1e-6  # replicas are bitwise identical in a healthy run: any visible difference is a disagreement
 
 
-def group_ready(ctx: RunContext) -> bool:
-    """A multi-rank run in an initialized process group (a condition every rank shares)."""
-    return ctx.run.world_size > 1 and dist.is_available() and dist.is_initialized()
-
-
 def sampled(step: int) -> bool:
     """Steps checked by the per-step detectors: every 8th from step 0 (the same on every rank)."""
-    return step % 8 == 0
-
-
-def _device(ctx: RunContext) -> torch.device:
-    return torch.device(ctx.config.train.device)
+    return probes.sampled(step, first=0, every=8)
 
 
 def rank_min_max(ctx: RunContext, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Element-wise max and min of a float vector over the ranks (one all-reduce). Non-finite values
     become large sentinels so that they compare as different from finite ones."""
-    v = torch.nan_to_num(values.detach().double().flatten().cpu(), nan=1e300, posinf=1e299, neginf=-1e299)
-    both = torch.cat([v, -v]).to(_device(ctx))
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    both = both.cpu()
-    return both[: v.numel()], -both[v.numel():]
+    return rank_min_max_async(ctx, values)()
 
 
 def rank_min_max_async(ctx: RunContext, values: torch.Tensor):
     """``rank_min_max`` issued asynchronously: returns a function that waits and gives (max, min)."""
     v = torch.nan_to_num(values.detach().double().flatten().cpu(), nan=1e300, posinf=1e299, neginf=-1e299)
     n = v.numel()
-    both = torch.cat([v, -v]).to(_device(ctx))
+    both = torch.cat([v, -v]).to(probes.device(ctx))
     work = dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True)
 
     def wait() -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +126,7 @@ class ReductionProbe(_Guarded):
                    "under grad_sync_context sync=True/False): DDP must average once over ranks; no_sync must not")
 
     def on_start(self, ctx: RunContext) -> None:
-        if not group_ready(ctx):
+        if not probes.group_ready(ctx):
             return
         run = ctx.run
         if run.train_model is run.model:  # DDP was expected: nothing reduces gradients at all
@@ -147,7 +134,7 @@ class ReductionProbe(_Guarded):
                         "wrapped for data parallelism: gradients are never reduced across ranks", confidence=0.85)
             return
         # every rank runs the same forwards/backwards (collectives inside DDP); failures are handled after
-        batch = self._safely("batch", lambda: probes.collate(ctx, probes.sample_docs(ctx, 2)))
+        batch = self._safely("batch", lambda: probes.probe_batch(ctx, 2))
         if batch is None:
             return
         params = list(run.model.parameters())
@@ -239,7 +226,7 @@ class RankCollectives(_Guarded):
                    "return the sum and the mean over ranks")
 
     def on_start(self, ctx: RunContext) -> None:
-        if not group_ready(ctx):
+        if not probes.group_ready(ctx):
             return
         ws, rank, device = ctx.run.world_size, ctx.run.rank, ctx.config.train.device
         # both calls are made on every rank whatever happens (each holds a collective in a healthy run)
@@ -273,27 +260,21 @@ class RankAgreement(_Guarded):
         self._digest: tuple[int, int] | None = None
         self._params_agreed = True
         self._pending = None  # (step, parameter count, digest, wait) of the exchange in flight
-        self._reported: set[str] = set()
-
-    def _report_once(self, key: str, ctx, *args, **kwargs) -> None:
-        if key not in self._reported:
-            self._reported.add(key)
-            self.report(ctx, *args, **kwargs)
 
     def on_batch(self, ctx: RunContext, micro_batches: list[dict]) -> None:
-        if group_ready(ctx) and sampled(ctx.step):
+        if probes.group_ready(ctx) and sampled(ctx.step):
             self._digest = self._safely("digest", lambda: (ctx.step, _batch_digest(micro_batches)), None)
 
     def on_before_step(self, ctx: RunContext) -> None:
         # no collective here: a step the scaler skips on one rank only would never reach it there
-        if group_ready(ctx) and sampled(ctx.step):
+        if probes.group_ready(ctx) and sampled(ctx.step):
             self._grad_norms = self._safely("grads", lambda: (ctx.step, _norms(
                 [p.grad for p in ctx.run.model.parameters()])), None)
 
     def on_after_step(self, ctx: RunContext, record) -> None:
         self._settle(ctx)  # the previous sampled step's exchange has long completed by now
         step = record.step
-        if not (group_ready(ctx) and sampled(step)):
+        if not (probes.group_ready(ctx) and sampled(step)):
             return
         params = list(ctx.run.model.parameters())
         p_norms = self._safely("params", lambda: _norms(list(params)), torch.zeros(len(params), dtype=torch.float64))
@@ -328,9 +309,9 @@ class RankAgreement(_Guarded):
 
     def _judge(self, ctx: RunContext, step: int, k: int, digest: int, mx: torch.Tensor, mn: torch.Tensor) -> None:
         if float(mn[-1]) >= 0 and float(mx[-1]) == float(mn[-1]):
-            self._report_once("data", ctx, "distributed", NEXT_INDICES,
-                              f"every rank trained on the identical batch at step {step}: the data is not sharded "
-                              "across ranks", evidence={"batch_digest": digest}, confidence=0.8, step=step)
+            self.report_once("data", ctx, "distributed", NEXT_INDICES,
+                             f"every rank trained on the identical batch at step {step}: the data is not sharded "
+                             "across ranks", evidence={"batch_digest": digest}, confidence=0.8, step=step)
         params_differ = disagreeing(mx[:k], mn[:k])
         stepped_everywhere = float(mn[-2]) == 1.0
         grads_differ = disagreeing(mx[k:2 * k], mn[k:2 * k]) if stepped_everywhere else torch.zeros(k, dtype=bool)
@@ -348,26 +329,26 @@ class RankAgreement(_Guarded):
                 # equal after the reduction, then scaled by one factor per group of parameters on each rank:
                 # a rank-local rescaling between the all-reduce and the step (clipping with a local norm)
                 evidence["max_over_min_factors"] = factors
-                self._report_once("grads", ctx, "distributed", CLIP,
-                                  f"at step {step} the ranks step with gradients that differ only by "
-                                  f"{len(factors)} constant factor(s) per group of parameters: the all-reduced "
-                                  "gradients were rescaled rank-locally before the step (clipping by a local norm)",
-                                  evidence=evidence, confidence=0.65, step=step)
+                self.report_once("grads", ctx, "distributed", CLIP,
+                                 f"at step {step} the ranks step with gradients that differ only by "
+                                 f"{len(factors)} constant factor(s) per group of parameters: the all-reduced "
+                                 "gradients were rescaled rank-locally before the step (clipping by a local norm)",
+                                 evidence=evidence, confidence=0.65, step=step)
             else:
-                self._report_once("grads", ctx, "distributed", SYNC,
-                                  f"at step {step} the ranks step with different gradients ({int(grads_differ.sum())} "
-                                  f"of {k} parameters' gradient norms differ): the gradient all-reduce did not make "
-                                  "them equal", evidence=evidence, confidence=0.7, step=step)
+                self.report_once("grads", ctx, "distributed", SYNC,
+                                 f"at step {step} the ranks step with different gradients ({int(grads_differ.sum())} "
+                                 f"of {k} parameters' gradient norms differ): the gradient all-reduce did not make "
+                                 "them equal", evidence=evidence, confidence=0.7, step=step)
         elif params_differ.any() and self._params_agreed:
-            self._report_once("params", ctx, "distributed", None,
-                              f"after step {step} the replicas' weights differ across ranks although their "
-                              "gradients agree: the update or the parameter broadcast differs per rank",
-                              evidence=evidence, confidence=0.6, step=step)
+            self.report_once("params", ctx, "distributed", None,
+                             f"after step {step} the replicas' weights differ across ranks although their "
+                             "gradients agree: the update or the parameter broadcast differs per rank",
+                             evidence=evidence, confidence=0.6, step=step)
         self._params_agreed = self._params_agreed and not bool(params_differ.any())
 
     def on_checkpoint_load(self, ctx: RunContext, path) -> None:
         self._settle(ctx)
-        if not group_ready(ctx):
+        if not probes.group_ready(ctx):
             return
         params = list(ctx.run.model.parameters())
         p_norms = self._safely("params", lambda: _norms(list(params)), torch.zeros(len(params), dtype=torch.float64))
@@ -375,14 +356,14 @@ class RankAgreement(_Guarded):
         differ = disagreeing(mx, mn)
         if differ.any():
             names = self._safely("names", lambda: [n for n, _ in ctx.run.model.named_parameters()], [])
-            self._report_once("load", ctx, "distributed", LOAD,
-                              f"right after loading the checkpoint the ranks hold different weights "
-                              f"({int(differ.sum())} of {differ.numel()} parameters differ): not every rank loaded "
-                              "the saved weights (DDP broadcasts only when it wraps the model)",
-                              evidence={"examples": [names[i] for i in differ.nonzero().flatten().tolist()[:3]
-                                                     if i < len(names)],
-                                        "max_rel_diff": float(((mx - mn).abs() / mx.abs().clamp_min(1e-30)).max())},
-                              confidence=0.85)
+            self.report_once("load", ctx, "distributed", LOAD,
+                             f"right after loading the checkpoint the ranks hold different weights "
+                             f"({int(differ.sum())} of {differ.numel()} parameters differ): not every rank loaded "
+                             "the saved weights (DDP broadcasts only when it wraps the model)",
+                             evidence={"examples": [names[i] for i in differ.nonzero().flatten().tolist()[:3]
+                                                    if i < len(names)],
+                                       "max_rel_diff": float(((mx - mn).abs() / mx.abs().clamp_min(1e-30)).max())},
+                             confidence=0.85)
         self._params_agreed = not bool(differ.any())
 
 

@@ -15,10 +15,9 @@ texts of the corpus's val documents must be assigned to val.
 
 from __future__ import annotations
 
-import inspect
-
 import torch.nn.functional as F
 
+from detectors import probes
 from detectors.api import Detector, register
 
 EVALUATE = "model.evaluate.evaluate"
@@ -32,14 +31,6 @@ PROBE_BATCH = 16
 REL_TOL = 1e-3
 
 
-def _ignore_default(fn) -> int:
-    try:
-        param = inspect.signature(fn).parameters.get("ignore_index")
-    except (TypeError, ValueError):
-        param = None
-    return param.default if param is not None and isinstance(param.default, int) else -100
-
-
 def replicate_eval(ctx, docs, batch_size: int) -> dict:
     """What ``evaluate`` must return on ``docs``: the summed cross-entropy of every non-ignored label over
     their count, from the run's collate and model in eval mode, and whether the run's lm_loss and
@@ -47,7 +38,8 @@ def replicate_eval(ctx, docs, batch_size: int) -> dict:
     cfg, model = ctx.config, ctx.run.model
     tok = ctx.run.tokenizer
     collate, lm_loss, count_targets = ctx.seam(COLLATE), ctx.seam(LM_LOSS), ctx.seam(COUNT_TARGETS)
-    ignore = _ignore_default(collate)
+    ignore = probes.default_ignore_index(collate)
+    ignore = -100 if ignore is None else ignore  # cross_entropy's default
     device = next(model.parameters()).device
     model.eval()
     total, count, loss_fn_ok, notes = 0.0, 0, True, []

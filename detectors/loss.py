@@ -42,16 +42,12 @@ def reference_loss(logits: torch.Tensor, labels: torch.Tensor, ignore: int, num_
     return float(total / max(n, 1))
 
 
-def probe_batch(ctx, count: int = 4) -> dict | None:
+def probe_batch(ctx) -> dict | None:
     """A small batch collated by the run (documents of increasing, distinct lengths), or None if collate fails."""
     try:
-        return probes.collate(ctx, probes.sample_docs(ctx, count))
+        return probes.probe_batch(ctx)
     except Exception:
         return None
-
-
-def _close(a: float, b: float, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
-    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rel * max(abs(a), abs(b)) + abs_
 
 
 def _vocab(ctx) -> int:
@@ -61,16 +57,8 @@ def _vocab(ctx) -> int:
 def lm_loss_problems(ctx) -> dict | None:
     """Contract checks of the run's lm_loss; {} if it honours them, None if no probe batch could be built.
 
-    Cached on the context per run (several detectors use the verdict to localize)."""
-    cache = getattr(ctx, "_loss_contract_cache", None)
-    if cache is not None and cache[0] is ctx.run:
-        return cache[1]
-    result = _lm_loss_problems(ctx)
-    try:
-        ctx._loss_contract_cache = (ctx.run, result)
-    except Exception:
-        pass
-    return result
+    Computed once per run (several detectors use the verdict to localize)."""
+    return ctx.memo("loss.lm_loss_problems", lambda: _lm_loss_problems(ctx))
 
 
 def _lm_loss_problems(ctx) -> dict | None:
@@ -108,10 +96,10 @@ def _lm_loss_problems(ctx) -> dict | None:
         evidence["works_without_ignored_labels"] = works_without
         return {"problems": problems, "evidence": evidence}
     evidence["uniform_loss"] = uniform
-    if not _close(uniform, math.log(V), 1e-3):
+    if not probes.close(uniform, math.log(V), 1e-3):
         ratio = uniform / math.log(V)
         hint = ""
-        if _close(ratio, n, 0.02):
+        if probes.close(ratio, n, 0.02):
             hint = f": the sum over the {n} targets, never divided by their count"
         problems["uniform"] = (f"uniform logits give {uniform:.4g}, expected ln V = {math.log(V):.4g} "
                                f"(x{ratio:.3g}){hint}")
@@ -119,7 +107,7 @@ def _lm_loss_problems(ctx) -> dict | None:
     try:
         doubled = call(torch.zeros(B, T, V), labels, 2 * n)
         evidence["uniform_loss_num_targets_2n"] = doubled
-        if not _close(doubled * 2, call(torch.zeros(B, T, V), labels, n), 1e-3):
+        if not probes.close(doubled * 2, call(torch.zeros(B, T, V), labels, n), 1e-3):
             problems["num_targets"] = (f"num_targets={2 * n} gives {doubled:.4g}, expected half of the value at "
                                        f"num_targets={n}: the result does not scale as 1 / num_targets")
     except Exception as exc:
@@ -146,35 +134,27 @@ def _lm_loss_problems(ctx) -> dict | None:
             problems.setdefault("random", f"lm_loss raises on random logits ({type(exc).__name__})")
             break
         evidence[f"random_{'default' if num is None else 'n3'}"] = [got, want]
-        if not _close(got, want, 1e-4) and "random" not in problems:
+        if not probes.close(got, want, 1e-4) and "random" not in problems:
             problems["random"] = (f"random logits: lm_loss = {got:.6g}, next-token cross-entropy / num_targets = "
                                   f"{want:.6g} (num_targets={num})")
     # 5) the logits of positions without a target must not matter
     perturbed = rand.clone()
     no_target = torch.cat([labels[:, 1:] == ignore, torch.ones(B, 1, dtype=torch.bool)], 1)
     perturbed[no_target] += torch.randn(int(no_target.sum()), V, generator=gen) * 5
-    if not _close(call(perturbed, labels), call(rand, labels), 1e-5):
+    if not probes.close(call(perturbed, labels), call(rand, labels), 1e-5):
         problems["ignored_rows"] = "changing the logits of positions without a target changes the loss"
     # 6) reduced-precision logits are scored like their fp32 values
     half = rand.to(torch.bfloat16)
     got_half, want_half = call(half, labels), reference_loss(half.float(), labels, ignore)
-    if not _close(got_half, want_half, 1e-2):
+    if not probes.close(got_half, want_half, 1e-2):
         problems["low_precision"] = (f"bf16 logits: lm_loss = {got_half:.5g}, fp32 cross-entropy of the same = "
                                      f"{want_half:.5g}")
     return {"problems": problems, "evidence": evidence}
 
 
 def forward_loss_problems(ctx) -> dict | None:
-    """Contract checks of the run's forward_loss against the run's lm_loss (cached per run)."""
-    cache = getattr(ctx, "_forward_loss_cache", None)
-    if cache is not None and cache[0] is ctx.run:
-        return cache[1]
-    result = _forward_loss_problems(ctx)
-    try:
-        ctx._forward_loss_cache = (ctx.run, result)
-    except Exception:
-        pass
-    return result
+    """Contract checks of the run's forward_loss against the run's lm_loss (computed once per run)."""
+    return ctx.memo("loss.forward_loss_problems", lambda: _forward_loss_problems(ctx))
 
 
 def _forward_loss_problems(ctx) -> dict | None:
@@ -211,25 +191,25 @@ def _forward_loss_problems(ctx) -> dict | None:
                 continue
             evidence[prec] = {"forward_loss": [got[n], got[3 * n]], "lm_loss_of_logits": [want[n], want[3 * n]]}
             rel = 1e-4 if prec == "fp32" else 1e-3
-            if not _close(got[n], want[n], rel):
+            if not probes.close(got[n], want[n], rel):
                 diag = ""
                 shifted = torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], ignore)], 1)
-                if _close(got[n], float(lm_loss(logits, shifted, n)), rel):
+                if probes.close(got[n], float(lm_loss(logits, shifted, n)), rel):
                     diag = ": it equals lm_loss of the labels shifted once more (each position scored on token t+2)"
                 else:
                     for perm_name, order in (("reversed", torch.arange(logits.size(0) - 1, -1, -1)),
                                              ("sorted longest first",
                                               batch["attention_mask"].sum(1).argsort(descending=True).cpu())):
-                        if _close(got[n], float(lm_loss(logits[order], batch["labels"], n)), rel):
+                        if probes.close(got[n], float(lm_loss(logits[order], batch["labels"], n)), rel):
                             diag = (f": it equals lm_loss of the model's rows {perm_name} against the labels in the "
                                     "original order (inputs and labels no longer line up)")
                             break
                 problems[prec] = (f"forward_loss = {got[n]:.6g} but lm_loss of the model's logits for the same batch "
                                   f"= {want[n]:.6g} (num_targets={n}){diag}")
-            elif not _close(got[3 * n] * 3, got[n], rel):
+            elif not probes.close(got[3 * n] * 3, got[n], rel):
                 own = float(lm_loss(logits, batch["labels"]))
                 diag = (": it ignores num_targets and normalizes each micro-batch by its own target count"
-                        if _close(got[3 * n], own, rel) else "")
+                        if probes.close(got[3 * n], own, rel) else "")
                 problems[prec] = (f"forward_loss does not scale as 1/num_targets: {got[n]:.5g} at {n}, "
                                   f"{got[3 * n]:.5g} at {3 * n} (expected {got[n] / 3:.5g}){diag}")
             if problems:
@@ -307,16 +287,12 @@ class LogitGradScale(Detector):
 
     ROWS = 8  # rows of each micro-batch checked (the bound holds row by row)
 
-    @staticmethod
-    def _sample(step: int) -> bool:
-        return step < 2 or step % 16 == 0
-
     def on_start(self, ctx) -> None:
         lm_loss_problems(ctx)  # the verdicts used to localize, computed outside the training steps
         forward_loss_problems(ctx)
 
     def on_batch(self, ctx, micro_batches) -> None:
-        self._sampled = self._sample(ctx.step) and len(self._reported) < 2
+        self._sampled = probes.sampled(ctx.step, first=2, every=16) and len(self._reported) < 2
         self._logits = []
         if not self._sampled:
             return

@@ -22,7 +22,9 @@ import math
 
 import torch
 
+from detectors import probes
 from detectors.api import Detector, register
+from detectors.probes import allowed_attention, softmax_attention
 
 ATTEND = "model.attention.attend"
 INIT = "model.gpt.GPT.init_weights"
@@ -37,29 +39,7 @@ ENVELOPE = 3.0  # a value is out of the golden envelope when > 3x its largest or
 ZERO_EPS = 1e-6  # parameters that are exactly 0 at init in clean runs (biases) must stay below this
 
 
-def _device(ctx) -> torch.device:
-    return torch.device(ctx.config.train.device)
-
-
 # ---------------------------------------------------------------------------------------------- attend
-
-def _allowed(attention_mask: torch.Tensor, query_len: int) -> torch.Tensor:
-    """(B, T_q, T_k) bool: causal and key real, plus the query itself (build_attention_mask's contract)."""
-    key_len = attention_mask.shape[1]
-    query_pos = torch.arange(key_len - query_len, key_len, device=attention_mask.device)[:, None]
-    key_pos = torch.arange(key_len, device=attention_mask.device)[None, :]
-    return ((key_pos <= query_pos) & attention_mask.bool()[:, None, :]) | (key_pos == query_pos)
-
-
-def _softmax_attention(q, k, v, additive=None, keep=None):
-    """float64 reference; ``additive`` is added to the scores, ``keep`` (bool) masks with -inf."""
-    scores = (q.double() @ k.double().transpose(-2, -1)) * q.size(-1) ** -0.5
-    if additive is not None:
-        scores = scores + additive.double()
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return scores.softmax(-1) @ v.double()
-
 
 def _close(out, ref, tol: float = 1e-4) -> bool:
     return (isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(ref.shape)
@@ -80,27 +60,27 @@ def attend_diagnosis(fn, device) -> dict | None:
     q, k, v = rand(B, nh, T, hs), rand(B, nh, T, hs), rand(B, nh, T, hs)
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     left = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], device=device)
-    allowed = _allowed(left, T)[:, None]  # (B, 1, T, T)
+    allowed = allowed_attention(left, T)[:, None]  # (B, 1, T, T)
     additive = torch.zeros(B, 1, T, T, device=device).masked_fill(~allowed, neg)
     decode_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], device=device)
     q1, k7, v7 = rand(B, nh, 1, hs), rand(B, nh, 7, hs), rand(B, nh, 7, hs)
-    decode_allowed = _allowed(decode_mask, 1)[:, None]
+    decode_allowed = allowed_attention(decode_mask, 1)[:, None]
     decode_add = torch.zeros(B, 1, 1, 7, device=device).masked_fill(~decode_allowed, neg)
     big = 40.0  # scores of a few hundred: a softmax without max subtraction overflows even in fp32
     cases = [
         # (name, inputs, reference, {alternative mask explanation: its output})
-        ("mask-free causal path (attn_mask=None)", (q, k, v, None), _softmax_attention(q, k, v, keep=causal),
-         {"no causal mask when attn_mask is None (attends to later tokens)": _softmax_attention(q, k, v)}),
-        ("explicit left-padding mask", (q, k, v, additive), _softmax_attention(q, k, v, additive),
+        ("mask-free causal path (attn_mask=None)", (q, k, v, None), softmax_attention(q, k, v, keep=causal),
+         {"no causal mask when attn_mask is None (attends to later tokens)": softmax_attention(q, k, v)}),
+        ("explicit left-padding mask", (q, k, v, additive), softmax_attention(q, k, v, additive),
          {"the additive mask read as keep(1)/drop(0): allowed entries dropped":
-              _softmax_attention(q, k, v, keep=additive != 0),
-          "the explicit mask ignored": _softmax_attention(q, k, v),
-          "the explicit mask ignored, plain causal attention": _softmax_attention(q, k, v, keep=causal),
-          "the explicit mask and causal masking both applied": _softmax_attention(q, k, v, additive, keep=causal)}),
-        ("cached decode step (T_q=1 < T_k)", (q1, k7, v7, decode_add), _softmax_attention(q1, k7, v7, decode_add),
+              softmax_attention(q, k, v, keep=additive != 0),
+          "the explicit mask ignored": softmax_attention(q, k, v),
+          "the explicit mask ignored, plain causal attention": softmax_attention(q, k, v, keep=causal),
+          "the explicit mask and causal masking both applied": softmax_attention(q, k, v, additive, keep=causal)}),
+        ("cached decode step (T_q=1 < T_k)", (q1, k7, v7, decode_add), softmax_attention(q1, k7, v7, decode_add),
          {"the additive mask read as keep(1)/drop(0): allowed entries dropped":
-              _softmax_attention(q1, k7, v7, keep=decode_add != 0),
-          "the explicit mask ignored": _softmax_attention(q1, k7, v7)}),
+              softmax_attention(q1, k7, v7, keep=decode_add != 0),
+          "the explicit mask ignored": softmax_attention(q1, k7, v7)}),
     ]
     failures = {}
     explained = None
@@ -125,7 +105,7 @@ def attend_diagnosis(fn, device) -> dict | None:
     qb, kb = q * math.sqrt(big), k * math.sqrt(big)
     try:
         out = fn(qb, kb, v, None, 0.0)
-        stable = _close(out, _softmax_attention(qb, kb, v, keep=causal), 1e-3)
+        stable = _close(out, softmax_attention(qb, kb, v, keep=causal), 1e-3)
     except Exception:  # noqa: BLE001
         stable = False
     if not stable:
@@ -144,7 +124,7 @@ class AttendContract(Detector):
 
     def on_start(self, ctx) -> None:
         with ctx.probe():
-            found = attend_diagnosis(ctx.seam(ATTEND), _device(ctx))
+            found = attend_diagnosis(ctx.seam(ATTEND), probes.device(ctx))
         if found is None:
             return
         confidence = {"mask": 0.9, "model": 0.9, "precision": 0.8}[found["subsystem"]]
@@ -291,7 +271,7 @@ class InitEnvelope(Detector):
         confidence = 0.7
         if seam == CLASS_SEAMS["CausalSelfAttention"]:
             with ctx.probe():
-                found = attend_diagnosis(ctx.seam(ATTEND), _device(ctx))
+                found = attend_diagnosis(ctx.seam(ATTEND), probes.device(ctx))
             if found is not None:
                 seam = ATTEND
                 evidence["attend"] = found["problem"]
@@ -343,7 +323,7 @@ class ModuleComposition(Detector):
     def _inputs(ctx, T: int = 10):
         gen = torch.Generator().manual_seed(23)
         C = ctx.config.model.n_embd
-        x = torch.randn(2, T, C, generator=gen).to(_device(ctx))
+        x = torch.randn(2, T, C, generator=gen).to(probes.device(ctx))
         return x, gen
 
     def _mlp(self, ctx):
@@ -382,7 +362,7 @@ class ModuleComposition(Detector):
         if GPT_FORWARD not in ctx.seams:
             return None
         docs = [list(d) for d in ctx.run.corpus.train[:200] if len(d) >= 10][:2]
-        ids = torch.tensor([d[:10] for d in docs], device=_device(ctx))
+        ids = torch.tensor([d[:10] for d in docs], device=probes.device(ctx))
         ones = torch.ones_like(ids)
         got = model(ids)
         positions = ctx.seam("model.rope.position_ids_from_mask")(ones, 0)
@@ -428,7 +408,7 @@ class OutputContract(Detector):
     def on_start(self, ctx) -> None:
         docs = [list(d) for d in ctx.run.corpus.train[:4]]
         width = min(len(d) for d in docs)
-        ids = torch.tensor([d[:width] for d in docs], device=_device(ctx))
+        ids = torch.tensor([d[:width] for d in docs], device=probes.device(ctx))
         with ctx.probe() as model:
             try:
                 logits = model(ids)

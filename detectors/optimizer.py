@@ -22,9 +22,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 
 import torch
 
@@ -54,19 +52,7 @@ def expected_lr(step: int, tcfg) -> float:
 
 
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
-    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-12
-
-
-def _device_type(ctx) -> str:
-    return torch.device(ctx.config.train.device).type
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Silence warnings of throwaway optimizers and schedulers (e.g. LambdaLR's step-order warning)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    return probes.close(a, b, rel, 1e-12)
 
 
 def probe_optimizer_step(ctx, enabled_scaler: bool = False) -> dict:
@@ -74,7 +60,7 @@ def probe_optimizer_step(ctx, enabled_scaler: bool = False) -> dict:
 
     Returns {"used_grads", "cleared", "sched_advance", "returned", "error", ...}; with ``enabled_scaler``
     also whether the scaler was updated ("tracker" after one step) and a skipped step on inf gradients."""
-    with _quiet():
+    with probes.quiet():
         return _probe_optimizer_step(ctx, enabled_scaler)
 
 
@@ -86,7 +72,7 @@ def _probe_optimizer_step(ctx, enabled_scaler: bool) -> dict:
     opt = torch.optim.SGD([p], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scale = 16.0 if enabled_scaler else 1.0
-    scaler = torch.amp.GradScaler(_device_type(ctx), init_scale=scale, enabled=enabled_scaler)
+    scaler = torch.amp.GradScaler(probes.device_type(ctx), init_scale=scale, enabled=enabled_scaler)
     scaler.scale(torch.ones((), device=device))  # a real step scales its loss first (the scaler's lazy init)
     p.grad = torch.full_like(p, 0.5 * scale)
     before = p.detach().clone()
@@ -125,7 +111,7 @@ def _probe_optimizer_step(ctx, enabled_scaler: bool) -> dict:
 def scheduler_lrs(make_scheduler, tcfg, horizon: int) -> list[float]:
     """The lr of each of ``horizon`` steps from a fresh scheduler on a throwaway optimizer (lr = tcfg.lr),
     stepped once per optimizer step."""
-    with _quiet():
+    with probes.quiet():
         p = torch.nn.Parameter(torch.zeros(1))
         opt = torch.optim.SGD([p], lr=tcfg.lr)
         sched = make_scheduler(opt, tcfg)
@@ -170,27 +156,13 @@ def probe_clip(ctx, enabled_scaler: bool = False) -> dict:
     """The run's clip_gradients on a throwaway module with known gradients (norm G), max_norm = G / 2.
 
     Contract: returns G (the true, unscaled pre-clip norm) and leaves (unscaled) gradients of norm G / 2."""
-    fn = ctx.seam(CLIP)
-    device = ctx.config.train.device
-    gen = torch.Generator().manual_seed(7)
-    module = torch.nn.Linear(6, 5).to(device)
-    grads = [torch.randn(p.shape, generator=gen).to(device) for p in module.parameters()]
-    true_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
-    scale = 1024.0 if enabled_scaler else 1.0
-    for p, g in zip(module.parameters(), grads, strict=True):
-        p.grad = g * scale
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler(_device_type(ctx), init_scale=scale, enabled=enabled_scaler)
-    if enabled_scaler:  # the scaler records its scale on first use (scaler.scale(loss) in a real step)
-        scaler.scale(torch.ones((), device=device))
-    try:
-        with _quiet():
-            returned = float(fn(module, opt, scaler, true_norm / 2))
-    except Exception as exc:
+    probe = probes.clip_probe(ctx, enabled_scaler)
+    if probe["error"] is not None:
+        exc = probe["error"]
         return {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
-    after = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in module.parameters() if p.grad is not None)))
-    return {"error": None, "true_norm": true_norm, "returned": returned, "norm_after": after, "scale": scale,
-            "max_norm": true_norm / 2}
+    after = probes.l2_norm(p.grad for p in probe["module"].parameters() if p.grad is not None)
+    return {"error": None, "true_norm": probe["true_norm"], "returned": probe["returned"], "norm_after": after,
+            "scale": probe["scale"], "max_norm": probe["max_norm"]}
 
 
 def clip_problems(result: dict) -> list[str]:
@@ -422,10 +394,6 @@ class GradHygiene(Detector):
         self._snapshot_next = False
         self._params: tuple | None = None  # (run, its trainable parameters)
 
-    @staticmethod
-    def _sampled(step: int) -> bool:
-        return step < 2 or step % 16 == 0
-
     def on_start(self, ctx) -> None:
         with ctx.probe():  # the throwaway module's init draws from the global RNG: restore it
             self._probes(ctx)
@@ -451,7 +419,7 @@ class GradHygiene(Detector):
                         confidence=0.9)
 
     def on_before_step(self, ctx) -> None:
-        if not self._sampled(ctx.step) or len(self._reported) >= 3:
+        if not probes.sampled(ctx.step, first=2, every=16) or len(self._reported) >= 3:
             self._pre = None
             return
         if self._params is None or self._params[0] is not ctx.run:
@@ -477,7 +445,7 @@ class GradHygiene(Detector):
 
     def on_after_step(self, ctx, record) -> None:
         pre, self._pre = self._pre, None
-        if not self._sampled(record.step):
+        if not probes.sampled(record.step, first=2, every=16):
             return
         if pre is not None and pre["step"] == record.step and not record.skipped:
             self._check_step(ctx, record, pre)
@@ -559,7 +527,6 @@ def probe_train_step(ctx) -> dict | None:
     the gradients. None when the probe cannot run (a distributed run: train_step would communicate)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
-    import copy
     import types
 
     run, tcfg = ctx.run, ctx.config.train
@@ -567,13 +534,9 @@ def probe_train_step(ctx) -> dict | None:
     try:
         docs = probes.sample_docs(ctx, 2 * accum)
         micro = [probes.collate(ctx, docs[i::accum]) for i in range(accum)]
-        model = copy.deepcopy(run.model)
+        model = probes.private_copy(run.model)  # fires no hooks of the run's (or other detectors'); eval mode
     except Exception:
         return None
-    for module in model.modules():  # the copy must not fire the run's (or other detectors') hooks
-        module._forward_hooks.clear()
-        module._forward_pre_hooks.clear()
-    model.eval()  # deterministic (no dropout)
     count, forward_loss = ctx.seam(COUNT_TARGETS), ctx.seam(FORWARD_LOSS)
     fp16 = tcfg.precision == "fp16"
     scale = 256.0 if fp16 else 1.0
@@ -601,7 +564,7 @@ def probe_train_step(ctx) -> dict | None:
     out.update(targets=targets, reference_loss=ref_loss, reference_grad_norm=ref_norm)
     opt = torch.optim.SGD(params, lr=tcfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    scaler = torch.amp.GradScaler(_device_type(ctx), init_scale=scale, enabled=fp16)
+    scaler = torch.amp.GradScaler(probes.device_type(ctx), init_scale=scale, enabled=fp16)
     seen: dict = {}
 
     def pre_hook(optimizer, args, kwargs):
@@ -613,7 +576,7 @@ def probe_train_step(ctx) -> dict | None:
                                  scheduler=sched, scaler=scaler, sampler=None, rank=0, world_size=1, step=0,
                                  history=[])
     try:
-        with torch.enable_grad(), _quiet():
+        with torch.enable_grad(), probes.quiet():
             record = ctx.seam(TRAIN_STEP)(fake, micro)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"

@@ -23,8 +23,8 @@ import copy
 
 import torch
 
+from detectors import probes
 from detectors.api import Detector, register
-from detectors.probes import modules_named
 
 TABLES = "model.rope.rope_tables"
 ROPE_AT = "model.rope.rope_at"
@@ -38,10 +38,6 @@ BUILD_MASK = "model.attention.build_attention_mask"
 ATTEND = "model.attention.attend"
 SHIFT_TOL = 1e-3  # relative output change under a position shift (clean fp32: ~1e-6)
 CACHE_TOL = 1e-4  # relative gap between cached and uncached logits (clean fp32: ~1e-7)
-
-
-def _device(ctx) -> torch.device:
-    return torch.device(ctx.config.train.device)
 
 
 def reference_tables(head_dim: int, rows: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,8 +199,7 @@ def _attend_decode_problem(fn, device) -> str | None:
         out = fn(q, k, v, additive, 0.0)
     except Exception as exc:  # noqa: BLE001
         return f"raised {type(exc).__name__}"
-    scores = (q.double() @ k.double().transpose(-2, -1)) * 8 ** -0.5 + additive.double()
-    ref = scores.softmax(-1) @ v.double()
+    ref = probes.softmax_attention(q, k, v, additive)
     if tuple(out.shape) != tuple(ref.shape) or not torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-4):
         return "attend of one query against cached keys differs from softmax(q k^T / sqrt(hs) + mask) v"
     return None
@@ -223,7 +218,7 @@ class RopeProperties(Detector):
 
     def on_start(self, ctx) -> None:
         mcfg = ctx.config.model
-        device = _device(ctx)
+        device = probes.device(ctx)
         head_dim = mcfg.n_embd // mcfg.n_head
         checks = (
             (TABLES, lambda: tables_problem(ctx.seam(TABLES), head_dim, mcfg.max_positions, mcfg.rope_base)),
@@ -273,11 +268,11 @@ class ShiftInvariance(Detector):
                 self._model_probe(ctx, "after training")
 
     def _module_probe(self, ctx) -> None:
-        found = modules_named(ctx, "CausalSelfAttention")
+        found = probes.modules_named(ctx, "CausalSelfAttention")
         if not found:
             return
         module = copy.deepcopy(found[0][1]).eval()
-        device = _device(ctx)
+        device = probes.device(ctx)
         gen = torch.Generator().manual_seed(17)
         C = ctx.config.model.n_embd
         head_dim = C // ctx.config.model.n_head
@@ -310,7 +305,7 @@ class ShiftInvariance(Detector):
                         confidence=0.8)
 
     def _model_probe(self, ctx, when: str) -> None:
-        device = _device(ctx)
+        device = probes.device(ctx)
         docs = [list(d) for d in ctx.run.corpus.train[:400] if 16 <= len(d) <= 40][:3]
         if len(docs) < 2:
             return
@@ -354,7 +349,7 @@ class KVCacheConsistency(Detector):
 
     def on_start(self, ctx) -> None:
         with ctx.probe():
-            problem = kv_cache_problem(ctx.seam("model.gpt.KVCache"), _device(ctx))
+            problem = kv_cache_problem(ctx.seam("model.gpt.KVCache"), probes.device(ctx))
         if problem:
             self.report(ctx, "model", KV_UPDATE, f"KVCache.update breaks its contract: {problem}",
                         evidence={"problem": problem}, confidence=0.9)
@@ -371,14 +366,7 @@ class KVCacheConsistency(Detector):
         if len(docs) < 3:
             docs = [list(d) for d in ctx.run.corpus.train[:400] if len(d) >= 12][:3]
         prompts = [d[:n] for d, n in zip(docs, (5, 12, 8), strict=False)]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tok.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        device = _device(ctx)
-        return ids.to(device), mask.to(device)
+        return probes.pad(prompts, tok.pad_id, probes.device(ctx), "left")
 
     def _decode_probe(self, ctx, when: str) -> None:
         cfg = ctx.config.model
@@ -431,7 +419,7 @@ class KVCacheConsistency(Detector):
                         "loop whose logits match the uncached forward", evidence, confidence=0.7)
 
     def _localize(self, ctx, when: str, what: str, evidence: dict) -> None:
-        device = _device(ctx)
+        device = probes.device(ctx)
         with ctx.probe():
             checks = (
                 ("position", POSITIONS, lambda: positions_problem(ctx.seam(POSITIONS), device), 0.8),

@@ -19,9 +19,7 @@
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
 
 import torch
 
@@ -36,10 +34,6 @@ AUTOCAST = "model.precision.autocast_context"
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _device_type(ctx) -> str:
-    return torch.device(ctx.config.train.device).type
-
-
 def scaled_optimizer_step_probe(ctx) -> dict:
     """The run's optimizer_step with an enabled GradScaler on a throwaway parameter (SGD, LambdaLR).
 
@@ -50,7 +44,7 @@ def scaled_optimizer_step_probe(ctx) -> dict:
     p = torch.nn.Parameter(torch.ones(4, device=device))
     opt = torch.optim.SGD([p], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    scaler = torch.amp.GradScaler(_device_type(ctx), init_scale=16.0, enabled=True)
+    scaler = torch.amp.GradScaler(probes.device_type(ctx), init_scale=16.0, enabled=True)
     out: dict = {"problems": []}
     problems = out["problems"]
     for label, grad in (("first", 8.0), ("second", 8.0), ("inf", math.inf)):
@@ -87,29 +81,17 @@ def scaled_clip_probe(ctx) -> dict:
     """The run's clip_gradients with an enabled GradScaler (scale 1024) on a throwaway module whose true
     gradient norm is G, max_norm = G / 2. Contract: returns G (unscaled) and leaves gradients of true norm
     G / 2 (unscaled in place, so scaler.step does not unscale them again)."""
-    fn = ctx.seam(CLIP)
-    device = ctx.config.train.device
-    gen = torch.Generator().manual_seed(7)
-    module = torch.nn.Linear(6, 5).to(device)
-    grads = [torch.randn(p.shape, generator=gen).to(device) for p in module.parameters()]
-    true_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
-    scale = 1024.0
-    for p, g in zip(module.parameters(), grads, strict=True):
-        p.grad = g * scale
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler(_device_type(ctx), init_scale=scale, enabled=True)
-    scaler.scale(torch.ones((), device=device))  # a real step scales the loss first: the scaler holds its scale
-    out: dict = {"true_norm": true_norm, "max_norm": true_norm / 2, "scale": scale, "problems": []}
-    try:
-        returned = float(fn(module, opt, scaler, true_norm / 2))
-    except Exception as exc:
+    probe = probes.clip_probe(ctx, enabled_scaler=True)
+    true_norm, scale, module, exc = probe["true_norm"], probe["scale"], probe["module"], probe["error"]
+    out: dict = {"true_norm": true_norm, "max_norm": probe["max_norm"], "scale": scale, "problems": []}
+    if exc is not None:
         out["problems"].append(f"raises {type(exc).__name__}: {str(exc)[:120]}")
         return out
-    before_step = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in module.parameters())))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        scaler.step(opt)  # unscales only if clip_gradients did not: the gradients the optimizer really used
-    used = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in module.parameters())))
+    returned = probe["returned"]
+    before_step = probes.l2_norm(p.grad for p in module.parameters())
+    with probes.quiet():
+        probe["scaler"].step(probe["optimizer"])  # unscales only if clip_gradients did not: what the optimizer used
+    used = probes.l2_norm(p.grad for p in module.parameters())
     out.update(returned=returned, grad_norm_after_clip=before_step, grad_norm_used=used)
     if not math.isclose(returned, true_norm, rel_tol=1e-4):
         ratio = returned / true_norm
@@ -155,7 +137,7 @@ class ScalerMonitor(Detector):
         with ctx.probe():
             if not scaler.is_enabled() or scaler.get_scale() <= 1.0:
                 try:
-                    fresh = ctx.seam(MAKE_SCALER)("fp16", _device_type(ctx), tcfg.init_scale)
+                    fresh = ctx.seam(MAKE_SCALER)("fp16", probes.device_type(ctx), tcfg.init_scale)
                     fresh_ok, fresh_desc = fresh.is_enabled() and fresh.get_scale() > 1.0, (
                         f"enabled={fresh.is_enabled()}, scale={fresh.get_scale()}")
                 except Exception as exc:
@@ -173,8 +155,7 @@ class ScalerMonitor(Detector):
                                 f"an fp16 run trains without loss scaling (scaler enabled={scaler.is_enabled()}, scale "
                                 f"{scaler.get_scale()}) although make_grad_scaler('fp16', ...) builds an enabled one",
                                 evidence, confidence=0.6)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with probes.quiet():
                 update = scaled_optimizer_step_probe(ctx)
                 clip = scaled_clip_probe(ctx)
             if update["problems"]:
@@ -232,7 +213,7 @@ class NonfiniteOrigin(Detector):
 
     def on_start(self, ctx) -> None:
         try:  # the initial weights, to replay a batch when an update has already written inf/NaN
-            self._initial = _private_copy(ctx.run.model)
+            self._initial = probes.private_copy(ctx.run.model)
         except Exception:
             self._initial = None
 
@@ -303,16 +284,6 @@ class NonfiniteOrigin(Detector):
         return (origins or found or [None])[0]
 
 
-def _private_copy(model):
-    """A deep copy of the model that fires none of the hooks registered on the original."""
-    twin = copy.deepcopy(model)
-    for module in twin.modules():
-        module._forward_hooks.clear()
-        module._forward_pre_hooks.clear()
-    twin.eval()
-    return twin
-
-
 @register
 class Fp16AttentionStress(Detector):
     id = "fp16_attention_stress"
@@ -371,8 +342,7 @@ class Fp16AttentionStress(Detector):
             if mask_bool is not None:
                 add = torch.zeros(B, 1, T, T, dtype=dtype).masked_fill(~mask_bool, torch.finfo(dtype).min).to(device)
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
+                with probes.quiet():
                     out = attend(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), add, 0.0)
             except Exception as exc:
                 return {"what": f"raises {type(exc).__name__}: {str(exc)[:120]}", "case": name, "max_score": 25.0}
@@ -393,8 +363,8 @@ class Fp16AttentionStress(Detector):
         """A copy of the model whose query/key weights are scaled so that the largest attention score bound
         |q| |k| / sqrt(d) reaches ~TARGET; its logits must be finite under the run's autocast when they are in fp32."""
         try:
-            model = _private_copy(ctx.run.model)
-            batch = probes.collate(ctx, probes.sample_docs(ctx, 4))
+            model = probes.private_copy(ctx.run.model)
+            batch = probes.probe_batch(ctx)
         except Exception:
             return None
         C, heads = ctx.config.model.n_embd, ctx.config.model.n_head

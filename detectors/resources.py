@@ -13,82 +13,51 @@ from __future__ import annotations
 
 import torch
 
+from detectors import probes
 from detectors.api import Detector, register
 
 COLLATE = "model.data.collate"
 NEXT_MICRO_BATCHES = "model.train.next_micro_batches"
 TRAIN_STEP = "model.train.train_step"
-SAMPLED_STEPS = 5
-EVERY = 8
-
-
-def _sampled(step: int) -> bool:
-    return step < SAMPLED_STEPS or step % EVERY == 0
-
-
-def _documents(batch: dict, pad_side: str) -> list[list[int]] | None:
-    """The batch's documents read off a sane 0/1 attention mask (every row touching the padding side's
-    edge), or None when the mask cannot be trusted (collate_contract judges the mask itself)."""
-    ids, mask = batch.get("input_ids"), batch.get("attention_mask")
-    if not isinstance(ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
-        return None
-    m = mask.long().cpu()
-    if m.numel() == 0 or bool(((m != 0) & (m != 1)).any()):
-        return None
-    if not bool((m[:, 0] if pad_side == "right" else m[:, -1]).all()):
-        return None
-    ids = ids.cpu()
-    return [ids[r][m[r].bool()].tolist() for r in range(ids.shape[0])]
 
 
 @register
-class PaddingWaste(Detector):
+class PaddingWaste(probes.BatchWatch):
     id = "padding_waste"
     family = "resources"
     passive = True
     description = "each batch is as wide as its longest real row (no padding beyond it); collate vs its caller"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._done = False
-
-    def on_batch(self, ctx, micro_batches) -> None:
-        if self._done or not _sampled(ctx.step):
-            return
+    def check_batch(self, ctx, batch) -> bool:
         side = ctx.config.data.pad_side
-        for batch in micro_batches:
-            mask = batch.get("attention_mask")
-            if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-                continue
-            width = mask.shape[1]
-            longest = int(mask.long().sum(1).max())
-            if longest >= width:
-                continue
-            docs = _documents(batch, side)
-            if docs is None:
-                continue
-            self._done = True
-            evidence = {"width": width, "longest_row": longest, "real_tokens": int(mask.long().sum()),
-                        "positions": mask.numel(), "step": ctx.step}
-            with ctx.probe():
-                try:
-                    ref = ctx.seam(COLLATE)(docs, ctx.run.tokenizer.pad_id, side)
-                    ref_width = int(ref["input_ids"].shape[1])
-                except Exception as exc:  # noqa: BLE001
-                    ref_width, evidence["collate_error"] = None, f"{type(exc).__name__}: {exc}"
-            evidence["collate_width_on_these_docs"] = ref_width
-            waste = 1 - evidence["real_tokens"] / evidence["positions"]
-            what = (f"batch padded to {width} columns but its longest document has {longest} tokens "
-                    f"({waste:.0%} of the positions are pads)")
-            if ref_width == longest:
-                self.report(ctx, "data", NEXT_MICRO_BATCHES,
-                            f"{what}; the run's collate on the same documents pads to {longest}, so its caller "
-                            "widens the batch", evidence, confidence=0.7)
-            else:
-                self.report(ctx, "collate", COLLATE,
-                            f"{what}; the run's collate pads the same documents to {ref_width}", evidence,
-                            confidence=0.85)
-            return
+        mask = batch.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return False
+        width = mask.shape[1]
+        longest = int(mask.long().sum(1).max())
+        if longest >= width:
+            return False
+        docs = probes.documents(batch, side)  # None: a mask collate_contract judges
+        if docs is None:
+            return False
+        evidence = {"width": width, "longest_row": longest, "real_tokens": int(mask.long().sum()),
+                    "positions": mask.numel(), "step": ctx.step}
+        ref_width, error = probes.recollate(ctx, docs, side, lambda ref: int(ref["input_ids"].shape[1]))
+        if error is not None:
+            evidence["collate_error"] = error
+        evidence["collate_width_on_these_docs"] = ref_width
+        waste = 1 - evidence["real_tokens"] / evidence["positions"]
+        what = (f"batch padded to {width} columns but its longest document has {longest} tokens "
+                f"({waste:.0%} of the positions are pads)")
+        if ref_width == longest:
+            self.report(ctx, "data", NEXT_MICRO_BATCHES,
+                        f"{what}; the run's collate on the same documents pads to {longest}, so its caller "
+                        "widens the batch", evidence, confidence=0.7)
+        else:
+            self.report(ctx, "collate", COLLATE,
+                        f"{what}; the run's collate pads the same documents to {ref_width}", evidence,
+                        confidence=0.85)
+        return True
 
 
 def _graph_tensors(obj) -> list[str]:

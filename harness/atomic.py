@@ -7,10 +7,17 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text(path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
         f.write(text)
+    os.chmod(f.name, 0o666 & ~_umask())  # a temporary file is private (0600); the result is an ordinary file
     os.replace(f.name, path)
     return path

@@ -197,9 +197,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             write_text(CACHE / f"{case_hash(case, digest)}.json", json.dumps(record))
         progress.update(case.name)
 
-    single = [c for c in todo if RECIPES[c.recipe].world_size == 1]
-    ranked = [c for c in todo if RECIPES[c.recipe].world_size > 1]
-    pool = RankPool(2) if ranked else None
+    pool = RankPool(2) if any(RECIPES[c.recipe].world_size > 1 for c in todo) else None
     runner = ForkRunner(cfg.jobs, cfg.timeout_s)
 
     def run_all(batch: list[Case], golden: dict, on_done) -> None:
