@@ -100,6 +100,15 @@ def digest() -> str:
     return source_digest("model", "harness/golden.py", "harness/case.py")[:16]
 
 
+def _key(recipe: str) -> str:
+    """A golden entry belongs to the recipe as defined now (a changed step count is another entry)."""
+    import hashlib
+
+    from harness.case import RECIPES
+
+    return f"{recipe}-{hashlib.sha1(repr(RECIPES[recipe]).encode()).hexdigest()[:8]}"
+
+
 def load_golden(recipes, pool=None, run_cases=None) -> dict:
     """The golden entry of every recipe in ``recipes``, recorded (and cached) where missing.
 
@@ -110,12 +119,11 @@ def load_golden(recipes, pool=None, run_cases=None) -> dict:
 
     path = CACHE / f"{digest()}.json"
     golden = json.loads(path.read_text()) if path.exists() else {}
-    missing = golden_cases([r for r in recipes if r not in golden])
-    if not missing:
-        return {r: golden[r] for r in recipes}
-    records = run_cases(missing) if run_cases else [execute(case, None, pool) for case in missing]
-    for case, record in zip(missing, records, strict=True):
-        entry = golden.setdefault(case.recipe, {"seeds": list(GOLDEN_SEEDS), "runs": []})
-        entry["runs"].append(trace_of(record))
-    write_text(path, json.dumps(golden))
-    return {r: golden[r] for r in recipes}
+    missing = golden_cases([r for r in recipes if _key(r) not in golden])
+    if missing:
+        records = run_cases(missing) if run_cases else [execute(case, None, pool) for case in missing]
+        for case, record in zip(missing, records, strict=True):
+            entry = golden.setdefault(_key(case.recipe), {"seeds": list(GOLDEN_SEEDS), "runs": []})
+            entry["runs"].append(trace_of(record))
+        write_text(path, json.dumps(golden))
+    return {r: golden[_key(r)] for r in recipes}
