@@ -151,8 +151,9 @@ def _live_graph_tensors() -> int:
 
 def _scenario_train(cfg: RunConfig, steps: int) -> Outcome:
     out = Outcome()
+    before = _live_graph_tensors()  # whatever the process held already (other tests' objects) is not the run's
     run = _train(cfg, out)
-    out.extra["live_graph_tensors"] = _live_graph_tensors()
+    out.extra["live_graph_tensors"] = _live_graph_tensors() - before
     del run
     return out
 

@@ -7,7 +7,7 @@ Definitions (per detector, and for the suite = the union of the non-baseline det
   the reciprocal rank (0 when none is acceptable or nothing was found). A subsystem is acceptable if it
   is the fault's or in its ``also_acceptable``; a seam if the fault replaces it;
 - latency: the step of the first finding with an acceptable subsystem minus the trigger step (the
-  resume step for on-resume faults, else 0);
+  checkpoint's step for on-resume faults, else 0);
 - overhead: train time / (train time - time spent in the passive detectors' step hooks), same run.
 """
 
@@ -49,8 +49,13 @@ def score_findings(findings: list[dict], fault: dict | None, trigger_step: int) 
 
 
 def trigger_step(fault: dict | None, record: dict) -> int:
-    if fault is not None and fault["trigger"] == "on-resume" and record.get("resumed_at") is not None:
-        return record["resumed_at"]
+    """The step at which the fault can first act: the checkpoint's step for on-resume faults (the resumed
+    run's own step counter may be the fault), else 0."""
+    from harness.case import RECIPES
+
+    recipe = RECIPES.get(record["case"]["recipe"])
+    if fault is not None and fault["trigger"] == "on-resume" and recipe is not None and recipe.resume_at:
+        return recipe.resume_at
     return 0
 
 

@@ -34,10 +34,10 @@ def test_nothing_found_scores_zero_and_no_latency():
     assert not row["detected"] and row["rr_subsystem"] == 0.0 and row["latency"] is None
 
 
-def test_latency_counts_from_the_resume_step_for_on_resume_faults():
+def test_latency_counts_from_the_checkpoint_step_for_on_resume_faults():
     fault = {**FAULT, "trigger": "on-resume"}
     record = {"case": {"faults": ["f"], "recipe": "resume", "seed": 0, "detectors": ["d"]}, "name": "f/resume/s0",
-              "findings": [finding("collate", step=12)], "crash": None, "resumed_at": 12, "train_s": 1.0,
+              "findings": [finding("collate", step=8)], "crash": None, "resumed_at": 9, "train_s": 1.0,
               "step_seconds": {"d": 0.01}, "other_seconds": {}, "detector_errors": {}}
     (row,) = case_rows(record, {"f": fault}, suite_ids=[])
     assert row["latency"] == 0
