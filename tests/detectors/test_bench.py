@@ -20,7 +20,7 @@ def plugin_bench(tmp_path, monkeypatch):
     """A bench of the plugin's hanging fault plus one clean case, with the plugin's detectors only."""
     monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
     cfg = BenchConfig(seeds=(0,), detectors=TEST_DETECTORS, plugins=(PLUGIN,), only_plugin_faults=True,
-                      out=tmp_path / "results", timeout_s=8, progress=False)
+                      out=tmp_path / "results", timeout_s=15, progress=False)
     yield cfg
     for name in TEST_DETECTORS:  # keep the registries as other tests expect them
         DETECTORS.pop(name, None)
