@@ -203,6 +203,14 @@ def _bench(args) -> int:
     return 0
 
 
+def _practice_rubric(args) -> int:
+    from harness.practice import rubric
+
+    _load_plugins(args)
+    print(rubric(args.fault), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="faultbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -276,6 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-cache", action="store_true", help="recompute every case")
     bench.add_argument("--json", action="store_true", help="table on stderr; last stdout line is summary.json")
     bench.set_defaults(func=_bench)
+
+    practice = sub.add_parser("practice", help="practice and interview mode")
+    practice_sub = practice.add_subparsers(dest="practice_command", required=True)
+    rubric = practice_sub.add_parser("rubric", help="what a strong debugging answer covers for one fault")
+    rubric.add_argument("--fault", required=True)
+    rubric.add_argument("--plugin", action="append")
+    rubric.set_defaults(func=_practice_rubric)
     return parser
 
 
