@@ -203,11 +203,29 @@ def _bench(args) -> int:
     return 0
 
 
-def _practice_rubric(args) -> int:
-    from harness.practice import rubric
+def _practice(args) -> int:
+    from harness import practice
 
+    torch.set_num_threads(1)
     _load_plugins(args)
-    print(rubric(args.fault), end="")
+    cmd = args.practice_command
+    if cmd == "rubric":
+        print(practice.rubric(args.fault), end="")
+    elif cmd == "new":
+        where = practice.new_exercise(args.dir, args.seed, args.fault, args.subsystem, args.difficulty)
+        print(f"exercise written to {where}: start with its README.md")
+    elif cmd == "hint":
+        print(practice.hint(args.dir))
+    elif cmd == "answer":
+        verdict = practice.answer(args.dir, args.subsystem, args.seam)
+        seam = "" if verdict["seam"] is None else f"; seam: {verdict['seam']}"
+        print(f"subsystem: {verdict['subsystem']}{seam} (hints used: {verdict['hints_used']})")
+    elif cmd == "check":
+        result = practice.check(args.dir)
+        print("repaired: the run now behaves like the reference" if result["repaired"] else
+              "not repaired yet:\n" + "\n".join(f"  - {p}" for p in result["problems"]))
+    else:
+        print(practice.reveal(args.dir))
     return 0
 
 
@@ -285,12 +303,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="table on stderr; last stdout line is summary.json")
     bench.set_defaults(func=_bench)
 
-    practice = sub.add_parser("practice", help="practice and interview mode")
+    practice = sub.add_parser("practice", help="practice and interview mode: exercises with one hidden fault")
     practice_sub = practice.add_subparsers(dest="practice_command", required=True)
+    new = practice_sub.add_parser("new", help="write a runnable broken copy with a colleague's report")
+    new.add_argument("--dir", required=True)
+    new.add_argument("--seed", type=int, help="chooses the hidden fault (default: random)")
+    new.add_argument("--fault", help="this fault instead of a hidden choice (for interviewers)")
+    new.add_argument("--subsystem")
+    new.add_argument("--difficulty", choices=("easy", "medium", "hard"))
+    for name, text in (("hint", "the next staged hint"), ("check", "is the edited copy repaired?"),
+                       ("reveal", "the diff, the explanation, the fix, the real bug")):
+        p = practice_sub.add_parser(name, help=text)
+        p.add_argument("dir")
+    ans = practice_sub.add_parser("answer", help="grade a diagnosis")
+    ans.add_argument("dir")
+    ans.add_argument("--subsystem", required=True)
+    ans.add_argument("--seam")
     rubric = practice_sub.add_parser("rubric", help="what a strong debugging answer covers for one fault")
     rubric.add_argument("--fault", required=True)
-    rubric.add_argument("--plugin", action="append")
-    rubric.set_defaults(func=_practice_rubric)
+    for p in practice_sub.choices.values():
+        p.add_argument("--plugin", action="append")
+    practice.set_defaults(func=_practice)
     return parser
 
 

@@ -1,21 +1,60 @@
-"""Practice and interview mode. This slice: the interviewer's rubric for one fault.
+"""Practice and interview mode: exercises with one hidden fault, and the interviewer's rubric.
 
-``faultbench practice rubric --fault ID`` prints what a strong debugging answer covers, in the order a
-strong answer takes: reproduce, isolate by subsystem, instrument, fix, prevent. It draws on the
-fault's metadata and manifest, and on the committed results: the detectors that localized it in the
-bench (results/bench.csv), its manifest evidence (results/faults.md) and the unit test that fails
-with it injected (results/mutation.md).
+- ``new``: a runnable broken copy of the model (the fault spliced into the source: no id, no fault
+  machinery) with ``train.py`` and a README that says only what a colleague would report: the command,
+  the log excerpt or the crash, the loss curve, and what a healthy run of the same config reached.
+  The answer key lives outside the exercise folder (``.cache/practice/<token>.json`` of this checkout,
+  or ``$FAULTBENCH_PRACTICE_KEYS``); the folder holds only the token.
+- ``hint`` (staged: the symptom that matters, then the subsystem, then the seam), ``answer`` (grades a
+  subsystem and optionally a seam), ``reveal`` (diff, explanation, fix, the real bug).
+- ``rubric``: what a strong answer covers, in the order a strong answer takes: reproduce, isolate by
+  subsystem, instrument, fix, prevent. It draws on the fault's metadata and manifest, and on the
+  committed results: the detectors that localized it in the bench (results/bench.csv), its manifest
+  evidence (results/faults.md) and the unit test that fails with it injected (results/mutation.md).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import random
+import secrets
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from faults.registry import get_fault
+from faults.registry import all_faults, get_fault
+from harness.atomic import write_text
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+DIFFICULTIES = ("easy", "medium", "hard")
+# how hard a trigger is to reproduce, and a symptom to trace back to its cause
+_TRIGGER_COST = {"always": 0, "amp-only": 1, "eval-only": 1, "after-step": 1, "rare-batch": 2, "on-resume": 2,
+                 "multi-rank": 2}
+_SYMPTOM_COST = {"crash-shape": 0, "crash-dtype": 0, "crash-index": 0, "crash-state": 0, "nan": 0, "divergence": 1,
+                 "stall": 1, "eval-metric": 1, "hang": 1, "slowdown": 2, "memory-growth": 2, "silent-quality": 2,
+                 "desync": 2}
+SYMPTOM_HINTS = {
+    "crash": "The traceback says where it failed, not where the bad value was made: follow the failing value back "
+             "to the code that produced it.",
+    "nan": "Find the first step and the first operation that produce a non-finite value; check what is special "
+           "about that batch or that precision.",
+    "stall": "The loss barely moves: check that gradients exist, reach the optimizer, and have a sensible size.",
+    "divergence": "Compare the run step by step with a healthy one: the learning rate, the gradient norm and the "
+                  "optimizer state tell where they part.",
+    "quality": "Nothing crashes, so test invariants: the loss floor, padding and causality invariance, cached vs "
+               "uncached decoding, a resumed run vs an uninterrupted one.",
+}
+
+
+def difficulty(spec) -> str:
+    """easy / medium / hard from how the fault triggers and how its symptom relates to its cause
+    (an intermittent crash is harder than a NaN at step 0, a silent quality loss harder still)."""
+    cost = _TRIGGER_COST[spec.trigger] + min(_SYMPTOM_COST[s] for s in spec.symptoms)
+    return "easy" if cost <= 1 else "medium" if cost == 2 else "hard"
 
 
 def _table_row(path: Path, fault_id: str) -> list[str] | None:
@@ -94,3 +133,250 @@ def rubric(fault_id: str, results: Path = RESULTS) -> str:
         *[f"- {ref}" for ref in spec.references],
     ]
     return "\n".join(lines) + "\n"
+
+
+# ---- exercises --------------------------------------------------------------------------------------
+
+def _keys_dir() -> Path:
+    return Path(os.environ.get("FAULTBENCH_PRACTICE_KEYS", ROOT / ".cache" / "practice"))
+
+
+def _load(directory) -> tuple[dict, Path]:
+    marker = Path(directory) / ".exercise"
+    if not marker.exists():
+        raise ValueError(f"{directory} is not a practice exercise (no .exercise file); make one with "
+                         "`faultbench practice new --dir DIR`")
+    token = json.loads(marker.read_text())["token"]
+    path = _keys_dir() / f"{token}.json"
+    if not path.exists():
+        raise ValueError(f"the answer key of {directory} is not on this machine ({path})")
+    return json.loads(path.read_text()), path
+
+
+def choose_fault(seed: int | None, fault: str | None, subsystem: str | None, level: str | None) -> str:
+    if fault:
+        return get_fault(fault).id
+    if level is not None and level not in DIFFICULTIES:
+        raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {level!r}")
+    pool = sorted(f for f, spec in all_faults().items()
+                  if subsystem in (None, spec.subsystem) and level in (None, difficulty(spec)))
+    if not pool:
+        raise ValueError(f"no fault matches subsystem={subsystem!r} difficulty={level!r}")
+    return random.Random(seed).choice(pool)
+
+
+_FLAGS = {  # (config section, field) -> the train.py option that sets it
+    ("train", "precision"): "--precision", ("train", "accum"): "--accum", ("train", "batch_size"): "--batch-size",
+    ("train", "grad_clip"): "--grad-clip", ("data", "pad_side"): "--pad-side", ("data", "seq_len"): "--seq-len",
+    ("data", "vocab_size"): "--vocab-size", ("model", "dropout"): "--dropout", ("model", "init_std"): "--init-std",
+}
+
+
+def train_args(manifest) -> list[str]:
+    """The train.py command line that shows the fault (its manifest's scenario and config)."""
+    args = ["--steps", str(manifest.steps), "--seed", str(manifest.seeds[0])]
+    for section, values in manifest.variant.items():
+        for key, value in values.items():
+            if (section, key) == ("train", "zero"):
+                args += ["--zero"] if value else []
+            elif (section, key) in _FLAGS:
+                args += [_FLAGS[section, key], str(value)]
+            else:
+                raise ValueError(f"train.py has no option for {section}.{key}")
+    if manifest.scenario in ("ddp", "ddp_resume"):
+        args += ["--world-size", "2"]
+    if manifest.scenario in ("resume", "ddp_resume"):
+        args += ["--resume-at", str(manifest.steps // 2)]
+    if manifest.scenario == "generate":
+        args += ["--generate"]
+    return args
+
+
+def _run_train(script: Path, cwd: Path, args: list[str], pythonpath: Path) -> tuple[str, int]:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "the run did not finish within 600 s (it hangs)\n", -1
+    return proc.stdout + proc.stderr, proc.returncode
+
+
+def _losses(log: str) -> list[float]:
+    return [float(line.split()[3]) for line in log.splitlines() if line.startswith("step ")]
+
+
+def _plot(path: Path, curves: dict[str, list[float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, losses in curves.items():
+        ax.plot(range(len(losses)), losses, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _excerpt(log: str, lines: int = 14) -> str:
+    kept = log.strip().splitlines()
+    return "\n".join(kept if len(kept) <= lines else kept[:4] + ["..."] + kept[-(lines - 5):])
+
+
+def new_exercise(directory, seed: int | None = None, fault: str | None = None, subsystem: str | None = None,
+                 level: str | None = None) -> Path:
+    """Write the exercise into ``directory`` (which must not exist or be empty); returns it."""
+    from faults.inject import render_tree
+
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()):
+        raise ValueError(f"{directory} is not empty; give a new folder")
+    fault_id = choose_fault(seed, fault, subsystem, level)
+    spec = get_fault(fault_id)
+    render_tree(directory, [fault_id])
+    shutil.copy(ROOT / "harness" / "exercise_train.py", directory / "train.py")
+    args = train_args(spec.manifest)
+    log, code = _run_train(directory / "train.py", directory, args, directory)
+    healthy, _ = _run_train(ROOT / "harness" / "exercise_train.py", ROOT, args, ROOT)
+    curves = {"this run": _losses(log), "last week's run": _losses(healthy)}
+    if "--resume-at" in args:  # the same job, never interrupted, for comparison
+        cut = args.index("--resume-at")
+        whole, _ = _run_train(directory / "train.py", directory, args[:cut] + args[cut + 2:], directory)
+        curves["the same job without the restart"] = _losses(whole)
+    _plot(directory / "loss.png", {k: v for k, v in curves.items() if v})
+    healthy_lines = healthy.splitlines()
+    healthy_tail = ([line for line in healthy_lines if line.startswith("step ")][:2]
+                    + [line for line in healthy_lines if line.startswith(("validation", "generation"))])
+    report = [
+        "# Exercise: a training run that does not behave",
+        "",
+        "A colleague ran this and asks for help. Find the bug in `model/`, say where it is, fix it.",
+        "",
+        "```bash",
+        f"python train.py {' '.join(args)}",
+        "```",
+        "",
+        f"It {'crashed' if code else 'finished'}; here is the log:" if code >= 0 else "It never finished:",
+        "",
+        "```",
+        _excerpt(log),
+        "```",
+        "",
+        "Their loss curve is in `loss.png`" + (", next to last week's run of the same config, before the recent "
+                                                "changes, which began and ended with:" if healthy_tail else "."),
+        "",
+        *[f"    {line}" for line in healthy_tail],
+        "",
+        "Commands (from the faultbench checkout): `faultbench practice hint DIR` (staged hints), "
+        "`faultbench practice answer DIR --subsystem S [--seam X]`, `faultbench practice check DIR` (is your fix "
+        "right?), `faultbench practice reveal DIR`. `faultbench seams` lists the subsystems and seams.",
+    ]
+    write_text(directory / "README.md", "\n".join(report) + "\n")
+    token = secrets.token_hex(8)
+    write_text(directory / ".exercise", json.dumps({"token": token}) + "\n")
+    write_text(_keys_dir() / f"{token}.json", json.dumps({"fault": fault_id, "seed": seed, "args": args,
+                                                          "difficulty": difficulty(spec), "hints": 0,
+                                                          "answers": []}))
+    return directory
+
+
+def _symptom_class(spec) -> str:
+    for symptom in spec.symptoms:
+        if symptom.startswith("crash"):
+            return "crash"
+        if symptom in ("nan", "stall", "divergence"):
+            return symptom
+    return "quality"
+
+
+def hint(directory) -> str:
+    """The next hint: the symptom that matters, then the subsystem, then the seam (then nothing new)."""
+    key, path = _load(directory)
+    spec = get_fault(key["fault"])
+    stages = [
+        f"Hint 1 (the symptom): {SYMPTOM_HINTS[_symptom_class(spec)]}"
+        + ("" if spec.trigger == "always" else f" It only shows under a particular condition ({spec.trigger})."),
+        f"Hint 2 (the subsystem): look in `{spec.subsystem}` (`faultbench seams` lists its functions).",
+        "Hint 3 (the seam): " + " and ".join(f"`{s}`" for s in spec.seams) + ".",
+    ]
+    key["hints"] = min(key["hints"] + 1, len(stages))
+    write_text(path, json.dumps(key))
+    return "\n".join(stages[: key["hints"]])
+
+
+def answer(directory, subsystem: str, seam: str | None = None) -> dict:
+    """Grade a diagnosis: the subsystem (exact, acceptable, wrong) and the seam if given."""
+    key, path = _load(directory)
+    spec = get_fault(key["fault"])
+    if subsystem == spec.subsystem:
+        sub = "right"
+    elif subsystem in spec.also_acceptable:
+        sub = "acceptable"
+    else:
+        sub = "wrong"
+    verdict = {"subsystem": sub, "seam": None if seam is None else ("right" if seam in spec.seams else "wrong"),
+               "hints_used": key["hints"]}
+    key["answers"].append({"subsystem": subsystem, "seam": seam, **verdict})
+    write_text(path, json.dumps(key))
+    return verdict
+
+
+def reveal(directory) -> str:
+    from faults.inject import diff
+
+    key, _ = _load(directory)
+    spec = get_fault(key["fault"])
+    return "\n".join([
+        f"{spec.title}  (fault `{spec.id}`, {spec.subsystem}, {difficulty(spec)})", "",
+        "What is wrong:", f"  {spec.explanation}", "", "The fix:", f"  {spec.fix}", "",
+        "The real bug it models:", *[f"  - {ref}" for ref in spec.references], "",
+        diff(spec.id),
+    ])
+
+
+def _scenario_outcome(model_root: Path, manifest) -> dict:
+    """The fault's manifest scenario run on the ``model/`` package under ``model_root`` (no injection)."""
+    env = {**os.environ, "PYTHONPATH": f"{model_root}{os.pathsep}{ROOT}", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "harness.scenario", manifest.scenario, str(manifest.steps),
+                           str(manifest.seeds[0]), json.dumps(manifest.variant)],
+                          cwd=model_root, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return {"crash": {"type": "ImportError", "message": proc.stderr.strip().splitlines()[-1:]}, "losses": [],
+                "val_loss": None, "extra": {}}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check(directory) -> dict:
+    """Is the edited copy repaired? The colleague's scenario must now behave exactly like the reference:
+    no crash where it does not crash, the same losses (1e-5), the same validation loss and the same
+    probe metrics; and the fault's own symptom check must no longer hold. Says what still differs,
+    never which fault it was."""
+    from harness.manifest import CHECKS
+    from harness.scenario import Outcome
+
+    key, _ = _load(directory)
+    manifest = get_fault(key["fault"]).manifest
+    edited = _scenario_outcome(Path(directory).resolve(), manifest)
+    clean = _scenario_outcome(ROOT, manifest)
+    problems = []
+    if bool(edited["crash"]) != bool(clean["crash"]):
+        problems.append(f"it crashes: {edited['crash']['type']}: {edited['crash']['message']}" if edited["crash"]
+                        else "the reference crashes here but the edited copy does not")
+    pairs = zip(edited["losses"], clean["losses"], strict=False)  # a length mismatch is reported below
+    diffs = [i for i, (a, b) in enumerate(pairs) if not abs(a - b) <= 1e-5]
+    if diffs or len(edited["losses"]) != len(clean["losses"]):
+        problems.append(f"the training losses differ from a correct run from step {diffs[0] if diffs else 0}")
+    for name in sorted(set(clean["extra"]) & set(edited["extra"])):
+        a, b = edited["extra"][name], clean["extra"][name]
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) > 1e-4 * max(1.0, abs(b)):
+            problems.append(f"{name} is {a:.4g}, a correct run gives {b:.4g}")
+    to_outcome = lambda d: Outcome(**{k: v for k, v in d.items() if k in Outcome.__dataclass_fields__})  # noqa: E731
+    still, _ = CHECKS[manifest.check]([to_outcome(clean)], [to_outcome(edited)], **manifest.params)
+    if still:
+        problems.append("the reported symptom is still there")
+    return {"repaired": not problems, "problems": problems}
