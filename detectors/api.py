@@ -238,7 +238,13 @@ def resolve_ids(names) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def rank_key(finding: Finding | dict) -> tuple:
+    """Most confident first, then earliest (a stable sort keeps report order among ties); works on a
+    Finding and on its ``to_dict()``."""
+    f = finding.to_dict() if isinstance(finding, Finding) else finding
+    return -f["confidence"], f["step"] if f["step"] is not None else 1 << 30
+
+
 def rank_findings(findings: list[Finding]) -> list[Finding]:
-    """One ranked list: most confident first, then earliest, then report order."""
-    order = {id(f): i for i, f in enumerate(findings)}
-    return sorted(findings, key=lambda f: (-f.confidence, f.step if f.step is not None else 1 << 30, order[id(f)]))
+    """One ranked list of the findings of every detector of a suite."""
+    return sorted(findings, key=rank_key)

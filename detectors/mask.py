@@ -16,6 +16,8 @@ Everything reaches the run through the context (``ctx.seam``, ``ctx.run``); noth
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from detectors import probes
@@ -279,7 +281,7 @@ def _leak(logits_a: torch.Tensor, logits_b: torch.Tensor, keep: torch.Tensor) ->
     return float((a - b).abs().max() / max(1.0, float(a.abs().max())))
 
 
-class _ProbedTwice(Detector):
+class _ProbedTwice(Detector, abc.ABC):
     """A forward probe run at the start and, if it found nothing, again on the trained model (which leans on
     context far more: a faint leak at init shows then). ``PROBED`` says what the probe feeds the model."""
 
@@ -298,8 +300,9 @@ class _ProbedTwice(Detector):
             except Exception:  # noqa: BLE001 - reported at on_start already
                 pass
 
+    @abc.abstractmethod
     def _probe(self, ctx) -> None:
-        raise NotImplementedError
+        """Run the probe once; report what it finds."""
 
 
 @register

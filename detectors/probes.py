@@ -7,6 +7,7 @@ reference. Probes run inside ``ctx.probe()`` so they leave no trace on the run.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import copy
 import inspect
@@ -149,7 +150,7 @@ def recollate(ctx, docs, side: str, inspect_batch: Callable[[dict], Any]) -> tup
             return None, f"{type(exc).__name__}: {exc}"
 
 
-class BatchWatch(Detector):
+class BatchWatch(Detector, abc.ABC):
     """A passive detector that checks the real micro-batches of sampled steps one by one with
     ``check_batch(ctx, batch)`` until a check reports (returns True): one finding per run."""
 
@@ -165,8 +166,9 @@ class BatchWatch(Detector):
                 self._done = True
                 return
 
+    @abc.abstractmethod
     def check_batch(self, ctx, batch: dict) -> bool:
-        raise NotImplementedError
+        """Check one micro-batch; True when it reported (the watch then stops)."""
 
 
 def default_ignore_index(fn) -> int | None:

@@ -26,7 +26,7 @@ import torch
 
 from detectors.api import all_detectors, resolve_ids
 from harness.atomic import write_text
-from harness.case import RECIPES, Case, case_hash, execute, recipe_for, run_case, source_digest
+from harness.case import RECIPES, Case, case_hash, execute, failed_record, recipe_for, run_case, source_digest
 from harness.detect import detector_groups
 from harness.score import SUITE, aggregate, case_rows, exclusive_overhead, per_fault
 
@@ -96,13 +96,6 @@ def _child(case: Case, golden: dict | None, conn) -> None:
         conn.close()
 
 
-def _failed(case: Case, kind: str, message: str) -> dict:
-    return {"case": case.to_dict(), "rank": 0, "history": [], "val_loss": None, "train_s": 0.0, "wall_s": 0.0,
-            "resumed_at": None, "findings": [], "detector_errors": {}, "step_seconds": {}, "other_seconds": {},
-            "summaries": {}, "hang": kind == "Hang",
-            "crash": {"type": kind, "message": message, "step": None, "frames": [], "traceback": ""}}
-
-
 class ForkRunner:
     """Runs single-process cases in forked children, ``jobs`` at a time, each with a timeout."""
 
@@ -128,9 +121,9 @@ class ForkRunner:
                     record = conn.recv()
                 except EOFError:
                     proc.join(5)
-                    record = _failed(case, "WorkerDied", f"the case's process died (exit code {proc.exitcode})")
+                    record = failed_record(case, "WorkerDied", f"the case's process died (exit code {proc.exitcode})")
                 if "harness_error" in record:
-                    record = _failed(case, "HarnessError", record["harness_error"])
+                    record = failed_record(case, "HarnessError", record["harness_error"])
                 proc.join(5)
                 done(case, record)
             for conn, (proc, case, deadline) in list(running.items()):
@@ -138,7 +131,7 @@ class ForkRunner:
                     proc.kill()
                     proc.join()
                     running.pop(conn)
-                    done(case, _failed(case, "Hang", f"killed after {self.timeout_s:.0f}s without finishing"))
+                    done(case, failed_record(case, "Hang", f"killed after {self.timeout_s:.0f}s without finishing"))
 
 
 def _warm_up(cases: list[Case]) -> None:
@@ -217,10 +210,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     finally:
         if pool is not None:
             pool.close()
-    ordered = [records[c] for c in cases]
-    for c, r in zip(cases, ordered, strict=True):
-        r["name"] = c.name
-    return score_and_write(ordered, faults, cfg, wall_s=time.monotonic() - start, cached=len(cases) - len(todo))
+    return score_and_write([records[c] for c in cases], faults, cfg, wall_s=time.monotonic() - start,
+                           cached=len(cases) - len(todo))
 
 
 def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float,

@@ -25,13 +25,12 @@ import json
 import random
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from detectors.api import HOOKS, Detector, RunContext, all_detectors, rank_findings
+from detectors.api import HOOKS, Detector, RunContext, all_detectors, rank_findings, rank_key
 from model.config import RunConfig, get_preset
 from model.seams import SEAMS, resolve
 
@@ -107,12 +106,26 @@ class Case:
 
 
 def crash_record(exc: BaseException, step: int | None) -> dict:
-    """The crash as data: type, message, step, and the reference frames (``model.x.f``), innermost last."""
-    from harness.scenario import seams_on_traceback
+    """The crash as data: type, message, step, traceback, and the reference frames (``model.x.f``),
+    innermost last, under "frames" (the scenarios' crash record calls them "seams")."""
+    from harness.scenario import _crash
 
-    return {"type": type(exc).__name__, "message": str(exc)[:500], "step": step,
-            "frames": seams_on_traceback(exc.__traceback__),
-            "traceback": "".join(traceback.format_exception(exc))[-4000:]}
+    record = _crash(exc, step)
+    record["frames"] = record.pop("seams")
+    return record
+
+
+def empty_record(case: Case, rank: int = 0) -> dict:
+    """A case record before anything ran: no history, no findings, no crash."""
+    return {"case": case.to_dict(), "rank": rank, "history": [], "crash": None, "val_loss": None, "train_s": 0.0,
+            "wall_s": 0.0, "resumed_at": None, "findings": [], "detector_errors": {}, "step_seconds": {},
+            "other_seconds": {}, "summaries": {}}
+
+
+def failed_record(case: Case, kind: str, message: str) -> dict:
+    """The record of a case whose process failed outside the run (a hang, a dead worker, a rank failure)."""
+    return {**empty_record(case), "hang": kind == "Hang",
+            "crash": {"type": kind, "message": message[:500], "step": None, "frames": [], "traceback": ""}}
 
 
 class Suite:
@@ -216,8 +229,7 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path) -> dict:
 
     recipe = RECIPES[case.recipe]
     cfg = recipe.config(case.seed)
-    out = {"case": case.to_dict(), "rank": rank, "history": [], "crash": None, "val_loss": None,
-           "train_s": 0.0, "resumed_at": None}
+    out = empty_record(case, rank)
     start = time.perf_counter()
     ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
     suite = None
@@ -257,7 +269,6 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path) -> dict:
             h.remove()
     out["wall_s"] = time.perf_counter() - start
     if suite is None:  # the run could not even be built: no detector saw anything
-        out.update(findings=[], detector_errors={}, step_seconds={}, other_seconds={}, summaries={})
         return out
     out.update(findings=[f.to_dict() for f in suite.findings()], detector_errors=suite.errors,
                step_seconds=suite.step_seconds, other_seconds=suite.other_seconds, summaries=suite.summaries())
@@ -300,10 +311,7 @@ def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float 
         with tempfile.TemporaryDirectory(prefix="faultbench-case-") as workdir:
             ranks = pool.run(run_case_on_rank, case.to_dict(), golden, workdir, timeout_s=timeout_s)
     except RankFailure as exc:
-        return {"case": case.to_dict(), "rank": 0, "history": [], "val_loss": None, "train_s": 0.0, "wall_s": 0.0,
-                "resumed_at": None, "findings": [], "detector_errors": {}, "step_seconds": {}, "other_seconds": {},
-                "summaries": {}, "crash": {"type": "RankFailure", "message": str(exc)[:500], "step": None, "frames": [],
-                          "traceback": ""}}
+        return failed_record(case, "RankFailure", str(exc))
     out = ranks[0]
     seen = {(f["detector"], f["subsystem"], f["seam"]) for f in out["findings"]}
     for other in ranks[1:]:
@@ -314,5 +322,5 @@ def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float 
         out["crash"] = out["crash"] or other["crash"]
         for d, err in other["detector_errors"].items():
             out["detector_errors"].setdefault(d, f"rank {other['rank']}: {err}")
-    out["findings"].sort(key=lambda f: (-f["confidence"], f["step"] if f["step"] is not None else 1 << 30))
+    out["findings"].sort(key=rank_key)
     return out

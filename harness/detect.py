@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from detectors.api import all_detectors, resolve_ids
+from detectors.api import all_detectors, rank_key, resolve_ids
 from harness.case import RECIPES, Case, execute, recipe_for
 
 
@@ -44,7 +44,7 @@ def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None
     for other in others:
         record["findings"] += other["findings"]
         record["detector_errors"].update(other["detector_errors"])
-    record["findings"].sort(key=lambda f: (-f["confidence"], f["step"] if f["step"] is not None else 1 << 30))
+    record["findings"].sort(key=rank_key)
     return record
 
 
@@ -73,9 +73,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    args = (argv or sys.argv[1:]) + [None, None][: 3 - len(argv or sys.argv[1:])]
-    fault, recipe, seed = args[0], args[1], int(args[2] or 0)
-    record = detect(() if fault == "clean" else (fault,), seed, ("all",), recipe)
+    fault, recipe, seed = ([*(argv or sys.argv[1:])] + [None, None])[:3]
+    record = detect(() if fault == "clean" else (fault,), int(seed or 0), ("all",), recipe)
     print(describe_findings(record))
     return 0
 

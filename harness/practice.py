@@ -339,15 +339,16 @@ def reveal(directory) -> str:
     ])
 
 
-def _scenario_outcome(model_root: Path, manifest) -> dict:
-    """The fault's manifest scenario run on the ``model/`` package under ``model_root`` (no injection)."""
+def scenario_outcome(model_root: Path, manifest) -> dict:
+    """The fault's manifest scenario run on the ``model/`` package under ``model_root`` (no injection), as
+    the Outcome dict ``python -m harness.scenario`` prints. A crash of the run is in the outcome; a copy
+    that cannot even run the scenario (it does not import) raises RuntimeError with the error's tail."""
     env = {**os.environ, "PYTHONPATH": f"{model_root}{os.pathsep}{ROOT}", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "harness.scenario", manifest.scenario, str(manifest.steps),
                            str(manifest.seeds[0]), json.dumps(manifest.variant)],
                           cwd=model_root, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        return {"crash": {"type": "ImportError", "message": proc.stderr.strip().splitlines()[-1:]}, "losses": [],
-                "val_loss": None, "extra": {}}
+        raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -361,8 +362,11 @@ def check(directory) -> dict:
 
     key, _ = _load(directory)
     manifest = get_fault(key["fault"]).manifest
-    edited = _scenario_outcome(Path(directory).resolve(), manifest)
-    clean = _scenario_outcome(ROOT, manifest)
+    try:
+        edited = scenario_outcome(Path(directory).resolve(), manifest)
+    except RuntimeError as exc:
+        return {"repaired": False, "problems": [f"the copy does not run: {str(exc).strip().splitlines()[-1]}"]}
+    clean = scenario_outcome(ROOT, manifest)
     problems = []
     if bool(edited["crash"]) != bool(clean["crash"]):
         problems.append(f"it crashes: {edited['crash']['type']}: {edited['crash']['message']}" if edited["crash"]

@@ -38,16 +38,19 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     write_text(path, buf.getvalue())
 
 
-def score_table(summary: dict, registry) -> list[str]:
-    """A markdown table: the suite first, then each detector, best Top-1 subsystem first."""
-    head = "| detector | kind | " + " | ".join(label for _, label in SCORE_COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(SCORE_COLUMNS) + 2)]
+def score_rows(summary: dict, registry) -> list[list[str]]:
+    """The header, then the suite, then each detector (best Top-1 subsystem first), as cells."""
+    rows = [["detector", "kind", *(label for _, label in SCORE_COLUMNS)]]
     entries = [(SUITE, "suite", summary["suite"])] if summary["suite"] else []
     ranked = sorted(summary["detectors"].items(), key=lambda kv: -(kv[1]["top1_subsystem"] or 0))
     entries += [(d, "baseline" if registry[d].baseline else registry[d].family, s) for d, s in ranked]
-    for name, kind, s in entries:
-        lines.append(f"| {name} | {kind} | " + " | ".join(_fmt(s[key]) for key, _ in SCORE_COLUMNS) + " |")
-    return lines
+    return rows + [[name, kind, *(_fmt(s[key]) for key, _ in SCORE_COLUMNS)] for name, kind, s in entries]
+
+
+def score_table(summary: dict, registry) -> list[str]:
+    """``score_rows`` as a markdown table."""
+    head, *body = score_rows(summary, registry)
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
 
 
 def target_lines(summary: dict) -> list[str]:
@@ -137,8 +140,7 @@ def write_results(out: Path, rows: list[dict], summary: dict, faults: dict[str, 
 
 
 def print_table(summary: dict, registry, file=None) -> None:
-    lines = score_table(summary, registry)
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in [lines[0]] + lines[2:]]
+    rows = score_rows(summary, registry)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)), file=file)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import statistics
 
+from harness.case import RECIPES
+
 SUITE = "suite"
 
 
@@ -51,8 +53,6 @@ def score_findings(findings: list[dict], fault: dict | None, trigger_step: int) 
 def trigger_step(fault: dict | None, record: dict) -> int:
     """The step at which the fault can first act: the checkpoint's step for on-resume faults (the resumed
     run's own step counter may be the fault), else 0."""
-    from harness.case import RECIPES
-
     recipe = RECIPES.get(record["case"]["recipe"])
     if fault is not None and fault["trigger"] == "on-resume" and recipe is not None and recipe.resume_at:
         return recipe.resume_at

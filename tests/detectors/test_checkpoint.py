@@ -7,11 +7,10 @@ import pytest
 import torch
 
 import model.checkpoint as ckpt
-from detectors.api import RunContext
 from detectors.checkpoint import LOAD, RESTORE_RNG, ResumeContinuity, _differences
 from model.run import build_run
-from model.seams import SEAMS, resolve
 from model.train import train
+from tests.detectors.helpers import context
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +23,6 @@ def saved(tiny_cfg, tmp_path_factory):
     det = ResumeContinuity()
     det.on_checkpoint_save(context(run), path)
     return cfg, path, det._snap
-
-
-def context(run, **replaced):
-    return RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
 
 
 def resume(saved, loader=ckpt.load_checkpoint, **replaced):

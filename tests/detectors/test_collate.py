@@ -3,20 +3,15 @@
 import pytest
 import torch
 
-from detectors.api import RunContext
 from detectors.collate import CollateContract, collate_violations, crafted_batches
 from model.data import collate
 from model.run import build_run
-from model.seams import SEAMS, resolve
+from tests.detectors.helpers import context
 
 
 @pytest.fixture(scope="module")
 def run(tiny_cfg):
     return build_run(tiny_cfg.replace(train={"steps": 2, "warmup_steps": 0}))
-
-
-def context(run, **replaced):
-    return RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
 
 
 BATCHES = crafted_batches(1, 2, list(range(10, 60)))

@@ -2,7 +2,6 @@
 
 import pytest
 
-from detectors.api import RunContext
 from detectors.data import (
     BatchSpecialIds,
     CorpusInvariants,
@@ -13,16 +12,12 @@ from detectors.data import (
 )
 from model.data import collate, truncate
 from model.run import build_run
-from model.seams import SEAMS, resolve
+from tests.detectors.helpers import context
 
 
 @pytest.fixture(scope="module")
 def run(tiny_cfg):
     return build_run(tiny_cfg.replace(train={"steps": 2, "warmup_steps": 0}))
-
-
-def context(run, **replaced):
-    return RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
 
 
 WORDS = list(range(10, 200))

@@ -5,22 +5,17 @@ import random
 import pytest
 import torch
 
-from detectors.api import RunContext
 from detectors.eval import EvalContract, SplitOverlap
 from model.data import collate
 from model.evaluate import evaluate
 from model.loss import lm_loss
 from model.run import build_run
-from model.seams import SEAMS, resolve
+from tests.detectors.helpers import context
 
 
 @pytest.fixture(scope="module")
 def run(tiny_cfg):
     return build_run(tiny_cfg.replace(train={"steps": 2, "warmup_steps": 0}, model={"dropout": 0.1}))
-
-
-def context(run, **replaced):
-    return RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
 
 
 @torch.no_grad()

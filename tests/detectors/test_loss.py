@@ -4,24 +4,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from detectors.api import RunContext
 from detectors.loss import ForwardLossContract, LossContract, reference_loss
 from model.loss import lm_loss
 from model.run import build_run
-from model.seams import SEAMS, resolve
 from model.train import forward_loss
+from tests.detectors.helpers import start_findings as findings
 
 
 @pytest.fixture(scope="module")
 def run(tiny_cfg):
     return build_run(tiny_cfg.replace(train={"steps": 4, "warmup_steps": 1, "accum": 2}))
-
-
-def findings(detector_cls, run, **replaced):
-    ctx = RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
-    detector = detector_cls()
-    detector.on_start(ctx)
-    return detector.findings
 
 
 def test_reference_loss_matches_lm_loss():

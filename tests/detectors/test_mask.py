@@ -4,11 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from detectors.api import RunContext
 from detectors.mask import CausalityProbe, MaskContract, PaddingInvariance, check_build_mask
 from model.attention import build_attention_mask
 from model.run import build_run
-from model.seams import SEAMS, resolve
+from tests.detectors.helpers import context
 
 
 def transposed_mask(attention_mask, query_len, dtype):
@@ -37,10 +36,6 @@ def attend_not_causal(q, k, v, attn_mask, dropout_p):
 @pytest.fixture(scope="module")
 def run(tiny_cfg):
     return build_run(tiny_cfg.replace(train={"steps": 2, "warmup_steps": 0}, data={"pad_side": "left"}))
-
-
-def context(run, **replaced):
-    return RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
 
 
 def test_reference_mask_keeps_its_contract():

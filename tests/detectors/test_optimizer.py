@@ -6,25 +6,17 @@ import time
 import pytest
 import torch
 
-from detectors.api import RunContext
 from detectors.optimizer import GradHygiene, LrSchedule, OptimizerConfig, TrainStepContract, expected_lr
 from harness.case import RECIPES
 from model.optim import configure_optimizer, lr_at
 from model.run import build_run
-from model.seams import SEAMS, resolve
 from model.train import StepRecord, clip_gradients, forward_loss, optimizer_step
+from tests.detectors.helpers import start_findings as findings
 
 
 @pytest.fixture(scope="module")
 def run():
     return build_run(RECIPES["accum"].config(0))
-
-
-def findings(detector_cls, run, **replaced):
-    ctx = RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
-    detector = detector_cls()
-    detector.on_start(ctx)
-    return detector.findings
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "accum", "fp16"])

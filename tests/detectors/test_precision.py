@@ -5,24 +5,16 @@ import math
 import pytest
 import torch
 
-from detectors.api import RunContext
 from detectors.precision import Fp16AttentionStress, ScalerMonitor
 from harness.case import RECIPES
 from model.attention import attend
 from model.run import build_run
-from model.seams import SEAMS, resolve
+from tests.detectors.helpers import start_findings as findings
 
 
 @pytest.fixture(scope="module")
 def run():
     return build_run(RECIPES["fp16"].config(0))
-
-
-def findings(detector_cls, run, **replaced):
-    ctx = RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
-    detector = detector_cls()
-    detector.on_start(ctx)
-    return detector.findings
 
 
 def test_silent_on_the_reference(run):

@@ -5,20 +5,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from detectors.api import RunContext
 from detectors.resources import GraphRetention, PaddingWaste
 from model.data import collate
 from model.run import build_run
-from model.seams import SEAMS, resolve
+from tests.detectors.helpers import context
 
 
 @pytest.fixture(scope="module")
 def run(tiny_cfg):
     return build_run(tiny_cfg.replace(train={"steps": 2, "warmup_steps": 0}))
-
-
-def context(run, **replaced):
-    return RunContext(run=run, seam_resolver=lambda name: replaced.get(name) or resolve(name), seams=dict(SEAMS))
 
 
 

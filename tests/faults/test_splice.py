@@ -1,16 +1,13 @@
 """The spliced copy of model/ is a runnable broken reference that reproduces the injected run exactly."""
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from faults.inject import injected, render_tree
 from faults.registry import all_faults
+from harness.practice import scenario_outcome
 from harness.scenario import run_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,15 +17,7 @@ SPLICE_IDS = sorted(f for f, spec in FAULTS.items() if not spec.manifest.scenari
 
 
 def _spliced_outcome(tmp_path, fault_id) -> dict:
-    m = FAULTS[fault_id].manifest
-    tree = render_tree(tmp_path / "copy", [fault_id])
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.scenario", m.scenario, str(m.steps), str(m.seeds[0]), json.dumps(m.variant)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return scenario_outcome(render_tree(tmp_path / "copy", [fault_id]), FAULTS[fault_id].manifest)
 
 
 @pytest.mark.parametrize("fault_id", SPLICE_IDS)
