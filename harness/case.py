@@ -289,15 +289,15 @@ def case_hash(case: Case, code_digest: str) -> str:
 
 
 def source_digest(*folders: str) -> str:
-    """sha256 over the Python sources of ``folders`` (relative to the repository root)."""
+    """sha256 over the Python sources of ``folders`` (relative to the repository root; a file counts as itself)."""
     root = Path(__file__).resolve().parent.parent
     digest = hashlib.sha256()
     for folder in folders:
-        for path in sorted((root / folder).rglob("*.py")):
+        top = root / folder
+        for path in [top] if top.is_file() else sorted(top.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
-
 
 
 def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float = 120.0) -> dict:

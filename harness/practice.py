@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import random
@@ -192,6 +193,20 @@ def train_args(manifest) -> list[str]:
     return args
 
 
+def _reference_cached(kind: str, key: dict, sources: tuple[str, ...], compute):
+    """What the clean reference does for ``key``, computed once per key and digest of ``sources`` and kept
+    under .cache/practice-reference/ (every exercise of the same config compares with the same run)."""
+    from harness.case import source_digest
+
+    blob = json.dumps({"key": key, "code": source_digest(*sources)}, sort_keys=True)
+    path = ROOT / ".cache" / "practice-reference" / kind / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    value = compute()
+    write_text(path, json.dumps(value))
+    return value
+
+
 def _run_train(script: Path, cwd: Path, args: list[str], pythonpath: Path) -> tuple[str, int]:
     env = {**os.environ, "PYTHONPATH": str(pythonpath), "TOKENIZERS_PARALLELISM": "false"}
     try:
@@ -242,7 +257,8 @@ def new_exercise(directory, seed: int | None = None, fault: str | None = None, s
     shutil.copy(ROOT / "harness" / "exercise_train.py", directory / "train.py")
     args = train_args(spec.manifest)
     log, code = _run_train(directory / "train.py", directory, args, directory)
-    healthy, _ = _run_train(ROOT / "harness" / "exercise_train.py", ROOT, args, ROOT)
+    healthy, _ = _reference_cached("train", {"args": args}, ("model", "harness/exercise_train.py"),
+                                   lambda: _run_train(ROOT / "harness" / "exercise_train.py", ROOT, args, ROOT))
     curves = {"this run": _losses(log), "last week's run": _losses(healthy)}
     if "--resume-at" in args:  # the same job, never interrupted, for comparison
         cut = args.index("--resume-at")
@@ -352,21 +368,21 @@ def scenario_outcome(model_root: Path, manifest) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def check(directory) -> dict:
-    """Is the edited copy repaired? The colleague's scenario must now behave exactly like the reference:
-    no crash where it does not crash, the same losses (1e-5), the same validation loss and the same
-    probe metrics; and the fault's own symptom check must no longer hold. Says what still differs,
-    never which fault it was."""
+def reference_outcome(manifest) -> dict:
+    """The clean reference's outcome of a manifest's scenario (cached per manifest and source digest)."""
+    key = {"scenario": manifest.scenario, "steps": manifest.steps, "seed": manifest.seeds[0],
+           "variant": manifest.variant}
+    return _reference_cached("scenario", key, ("model", "harness/scenario.py"),
+                             lambda: scenario_outcome(ROOT, manifest))
+
+
+def repair_problems(edited: dict, clean: dict, manifest) -> list[str]:
+    """How the edited copy's outcome still differs from the clean reference's on the same scenario: a crash
+    where there is none, other losses (1e-5), other probe metrics (1e-4 relative), or the symptom the fault's
+    manifest checks for. Empty when the copy behaves like the reference. Never names the fault."""
     from harness.manifest import CHECKS
     from harness.scenario import Outcome
 
-    key, _ = _load(directory)
-    manifest = get_fault(key["fault"]).manifest
-    try:
-        edited = scenario_outcome(Path(directory).resolve(), manifest)
-    except RuntimeError as exc:
-        return {"repaired": False, "problems": [f"the copy does not run: {str(exc).strip().splitlines()[-1]}"]}
-    clean = scenario_outcome(ROOT, manifest)
     problems = []
     if bool(edited["crash"]) != bool(clean["crash"]):
         problems.append(f"it crashes: {edited['crash']['type']}: {edited['crash']['message']}" if edited["crash"]
@@ -383,4 +399,17 @@ def check(directory) -> dict:
     still, _ = CHECKS[manifest.check]([to_outcome(clean)], [to_outcome(edited)], **manifest.params)
     if still:
         problems.append("the reported symptom is still there")
+    return problems
+
+
+def check(directory) -> dict:
+    """Is the edited copy repaired? The colleague's scenario must now behave exactly like the reference
+    (``repair_problems``). Says what still differs, never which fault it was."""
+    key, _ = _load(directory)
+    manifest = get_fault(key["fault"]).manifest
+    try:
+        edited = scenario_outcome(Path(directory).resolve(), manifest)
+    except RuntimeError as exc:
+        return {"repaired": False, "problems": [f"the copy does not run: {str(exc).strip().splitlines()[-1]}"]}
+    problems = repair_problems(edited, reference_outcome(manifest), manifest)
     return {"repaired": not problems, "problems": problems}

@@ -8,12 +8,13 @@ from faults.registry import all_faults
 from harness.cli import main
 from harness.practice import rubric
 
+FAULTS = all_faults()
 SECTIONS = ("## 1. Reproduce", "## 2. Isolate by subsystem", "## 3. Instrument", "## 4. Fix", "## 5. Prevent")
 
 
-@pytest.mark.parametrize("fault_id", sorted(all_faults()))
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
 def test_rubric_covers_reproduce_isolate_instrument_fix_prevent(fault_id):
-    spec = all_faults()[fault_id]
+    spec = FAULTS[fault_id]
     text = rubric(fault_id)
     assert [s for s in SECTIONS if s in text] == list(SECTIONS)
     assert all(seam in text for seam in spec.seams) and spec.fix in text and spec.references[0] in text
@@ -31,40 +32,58 @@ def test_rubric_cli_suggests_a_close_fault_id(capsys):
     assert "did you mean 'label_permute'" in capsys.readouterr().err
 
 
-ROOT = Path(__file__).resolve().parents[1]
+# what would give the fault away: its id and title, and any trace of the fault machinery
+LEAKS = (r"\bfaults\b", r"\binjected?\b", "FAULTBENCH_")
 
 
-@pytest.mark.parametrize("fault_id", ["label_permute", "kv_cache_wrong_index"])
+def _splice_back_the_clean_seams(exercise: Path, spec) -> None:
+    """What a candidate's fix amounts to: each replaced seam's clean definition back in the copy."""
+    from faults.inject import seam_function_source, splice_module
+
+    for seam in spec.seams:
+        _, module, qualname = seam.split(".", 2)  # model.<module>.<qualname>
+        path = exercise / "model" / f"{module}.py"
+        path.write_text(splice_module(path.read_text(), {qualname: seam_function_source(seam)}))
+
+
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
 def test_exercise_round_trip(tmp_path, monkeypatch, fault_id):
-    """new -> the symptom shows, nothing gives the fault away -> hints and grading -> splice the clean seam
-    back -> check says repaired."""
+    """new -> nothing gives the fault away -> the broken copy is the injected run and shows the symptom ->
+    hints and grading -> splice the clean seam back -> check says repaired."""
     import re
-    import shutil
 
     from harness import practice
+    from harness.scenario import run_scenario
 
     monkeypatch.setenv("FAULTBENCH_PRACTICE_KEYS", str(tmp_path / "keys"))
-    spec = all_faults()[fault_id]
+    spec = FAULTS[fault_id]
+    m = spec.manifest
     ex = practice.new_exercise(tmp_path / "ex", fault=fault_id)
     readme = (ex / "README.md").read_text()
     assert "python train.py" in readme and (ex / "loss.png").stat().st_size > 0
     text = "\n".join(p.read_text(errors="ignore") for p in ex.rglob("*") if p.is_file() and p.suffix in (".py", ".md"))
-    for secret in (fault_id, spec.title, r"\bfaults\b", r"\binjected?\b", "FAULTBENCH_"):
-        assert not re.search(secret if secret.startswith("\\") else re.escape(secret), text), secret
+    for secret in (re.escape(fault_id), re.escape(spec.title), *LEAKS):
+        assert not re.search(secret, text), secret
+
+    broken = practice.scenario_outcome(ex, m)
+    if not m.scenario.startswith("ddp"):  # the copy runs exactly as the injected reference (DDP: a rank pool)
+        injected = run_scenario(m.scenario, m.variant, m.steps, m.seeds[0], (fault_id,)).to_dict()
+        assert (broken["crash"] or {}).get("type") == (injected["crash"] or {}).get("type")
+        assert (broken["crash"] or {}).get("step") == (injected["crash"] or {}).get("step")
+        finite = [(a, b) for a, b in zip(broken["losses"], injected["losses"], strict=True) if a == a and b == b]
+        assert all(abs(a - b) <= 1e-6 for a, b in finite)
+    assert practice.repair_problems(broken, practice.reference_outcome(m), m), "the exercise shows no symptom"
 
     first = practice.hint(ex)
     assert "Hint 1" in first and "Hint 2" not in first
     assert spec.subsystem in practice.hint(ex) and spec.seams[0] in practice.hint(ex)
     assert practice.answer(ex, spec.subsystem, spec.seams[0]) == {"subsystem": "right", "seam": "right",
                                                                   "hints_used": 3}
-    wrong = "eval" if spec.subsystem != "eval" else "loss"
+    wrong = next(s for s in ("eval", "loss") if s != spec.subsystem and s not in spec.also_acceptable)
     assert practice.answer(ex, wrong)["subsystem"] == "wrong"
     assert "What is wrong" in practice.reveal(ex) and spec.fix in practice.reveal(ex)
 
-    broken = practice.check(ex)
-    assert not broken["repaired"] and broken["problems"]
-    module_file = spec.seams[0].split(".")[1] + ".py"  # model.<module>.<function>: restore the clean module
-    shutil.copy(ROOT / "model" / module_file, ex / "model" / module_file)
+    _splice_back_the_clean_seams(ex, spec)
     assert practice.check(ex) == {"repaired": True, "problems": []}
 
 
