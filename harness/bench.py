@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 from detectors.api import all_detectors, resolve_ids
 from harness.atomic import write_text
-from harness.case import RECIPES, Case, case_hash, execute, failed_record, recipe_for, run_case, source_digest
+from harness.case import RECIPES, Case, case_hash, execute, failed_record, recipe_for, source_digest
 from harness.detect import detector_groups
 from harness.score import SUITE, aggregate, case_rows, exclusive_overhead, per_fault
 
@@ -54,6 +55,8 @@ class BenchConfig:
     use_cache: bool = True
     timeout_s: float = CASE_TIMEOUT_S
     progress: bool = True
+    bundles: Path | None = None  # a repro bundle per case where a detector fired (every case is run anew)
+    command: tuple[str, ...] = ()  # the command line, recorded in the bundles
 
 
 def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
@@ -86,10 +89,25 @@ def code_digest() -> str:
 
 # ---- isolated execution -------------------------------------------------------------------------
 
-def _child(case: Case, golden: dict | None, conn) -> None:
+def run_and_bundle(case: Case, golden: dict | None, bundles: Path | None, command, pool=None,
+                   timeout_s: float = CASE_TIMEOUT_S) -> dict:
+    """``execute`` the case; with ``bundles``, capture its steps and bundle its top finding (if any) there."""
+    if bundles is None:
+        return execute(case, golden, pool, timeout_s)
+    from harness.bundle import bundle_name, write_bundle
+
+    with tempfile.TemporaryDirectory(prefix="faultbench-capture-") as capture:
+        record = execute(case, golden, pool, timeout_s, capture_dir=capture)
+        if record["findings"] and not record.get("hang"):
+            name = bundle_name(record["case"]) + ("" if len(case.detectors) > 1 else f"-{case.detectors[0]}")
+            record["bundle"] = str(write_bundle(bundles / name, record, capture, list(command)))
+    return record
+
+
+def _child(case: Case, golden: dict | None, conn, bundles: Path | None, command) -> None:
     torch.set_num_threads(1)
     try:
-        conn.send(run_case(case, golden))
+        conn.send(run_and_bundle(case, golden, bundles, command))
     except BaseException as exc:  # run_case contains crashes; this is the harness itself failing
         conn.send({"harness_error": f"{type(exc).__name__}: {exc}"})
     finally:
@@ -99,8 +117,8 @@ def _child(case: Case, golden: dict | None, conn) -> None:
 class ForkRunner:
     """Runs single-process cases in forked children, ``jobs`` at a time, each with a timeout."""
 
-    def __init__(self, jobs: int, timeout_s: float):
-        self.jobs, self.timeout_s = jobs, timeout_s
+    def __init__(self, jobs: int, timeout_s: float, bundles: Path | None = None, command=()):
+        self.jobs, self.timeout_s, self.bundles, self.command = jobs, timeout_s, bundles, command
         self.ctx = mp.get_context("fork")
 
     def run(self, cases: list[Case], golden: dict, done) -> None:
@@ -110,7 +128,8 @@ class ForkRunner:
             while pending and len(running) < self.jobs:
                 case = pending.pop(0)
                 parent, child = self.ctx.Pipe(duplex=False)
-                proc = self.ctx.Process(target=_child, args=(case, golden.get(case.recipe), child), daemon=True)
+                args = (case, golden.get(case.recipe), child, self.bundles, self.command)
+                proc = self.ctx.Process(target=_child, args=args, daemon=True)
                 proc.start()
                 child.close()
                 running[parent] = (proc, case, time.monotonic() + self.timeout_s)
@@ -175,7 +194,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     todo = []
     for case in cases:
         path = CACHE / f"{case_hash(case, digest)}.json"
-        if cfg.use_cache and path.exists():
+        if cfg.use_cache and cfg.bundles is None and path.exists():
             records[case] = json.loads(path.read_text())
         else:
             todo.append(case)
@@ -191,12 +210,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         progress.update(case.name)
 
     pool = RankPool(2) if any(RECIPES[c.recipe].world_size > 1 for c in todo) else None
-    runner = ForkRunner(cfg.jobs, cfg.timeout_s)
-
-    def run_all(batch: list[Case], golden: dict, on_done) -> None:
+    def run_all(batch: list[Case], golden: dict, on_done, bundles: Path | None = None) -> None:
+        runner = ForkRunner(cfg.jobs, cfg.timeout_s, bundles, cfg.command)
         runner.run([c for c in batch if RECIPES[c.recipe].world_size == 1], golden, on_done)
         for case in (c for c in batch if RECIPES[c.recipe].world_size > 1):
-            on_done(case, execute(case, golden.get(case.recipe), pool, timeout_s=cfg.timeout_s))
+            on_done(case, run_and_bundle(case, golden.get(case.recipe), bundles, cfg.command, pool, cfg.timeout_s))
 
     def run_golden(golden_cases: list[Case]) -> list[dict]:
         finished: dict[Case, dict] = {}
@@ -206,7 +224,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     try:
         _warm_up(todo)
         golden = load_golden(sorted({c.recipe for c in todo}), run_cases=run_golden) if todo else {}
-        run_all(todo, golden, done)
+        run_all(todo, golden, done, cfg.bundles)
     finally:
         if pool is not None:
             pool.close()

@@ -187,15 +187,19 @@ def _attach(suite: Suite, run) -> list:
     return handles
 
 
-def _train_until(run, suite: Suite, until: int, out: dict) -> None:
+def _train_until(run, suite: Suite, until: int, out: dict, capture=None) -> None:
     from model.train import next_micro_batches, train_step
 
     run.model.train()
     while run.step < until:
+        if capture is not None:  # outside the step's timing: a bundle's capture is not detector overhead
+            capture.state(run)
         start = time.perf_counter()
         suite.in_step = True
         try:
             micro_batches = next_micro_batches(run)
+            if capture is not None:
+                capture.batch(run.step, micro_batches)
             suite.fire("on_batch", micro_batches)
             record = train_step(run, micro_batches)
             suite.fire("on_after_step", record)
@@ -206,11 +210,13 @@ def _train_until(run, suite: Suite, until: int, out: dict) -> None:
                                for k, v in record.to_dict().items()})
 
 
-def run_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str | None = None) -> dict:
+def run_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str | None = None,
+             capture_dir: str | None = None) -> dict:
     """Run ``case`` with its faults injected (on this process or this rank); never raises.
 
     ``workdir`` holds the resume recipes' checkpoint (every rank must be given the same one); default:
-    a temporary directory.
+    a temporary directory. ``capture_dir``: keep the state before every step and every step's batch there
+    (``harness.bundle.StepCapture``), for a repro bundle.
     """
     from faults.inject import injected
     from faults.registry import load_plugin
@@ -219,10 +225,10 @@ def run_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str
         load_plugin(plugin)
     random.seed(case.seed)
     with injected(*case.faults), tempfile.TemporaryDirectory(prefix="faultbench-case-") as tmp:
-        return _run(case, golden, rank, Path(workdir or tmp))
+        return _run(case, golden, rank, Path(workdir or tmp), capture_dir)
 
 
-def _run(case: Case, golden: dict | None, rank: int, workdir: Path) -> dict:
+def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir: str | None = None) -> dict:
     from model.checkpoint import load_checkpoint, save_checkpoint
     from model.evaluate import evaluate
     from model.run import build_run
@@ -234,6 +240,11 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path) -> dict:
     ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
     suite = None
     handles = []
+    capture = None
+    if capture_dir is not None:
+        from harness.bundle import StepCapture
+
+        capture = StepCapture(Path(capture_dir), rank)
     try:
         ctx.run = build_run(cfg, rank)
         out["build_s"] = time.perf_counter() - start
@@ -241,7 +252,7 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path) -> dict:
         handles = _attach(suite, ctx.run)
         suite.fire("on_start")
         if recipe.resume_at is not None:
-            _train_until(ctx.run, suite, recipe.resume_at, out)
+            _train_until(ctx.run, suite, recipe.resume_at, out, capture)
             path = workdir / "ckpt"
             save_checkpoint(ctx.run, path)
             suite.fire("on_checkpoint_save", path)
@@ -253,7 +264,9 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path) -> dict:
             handles = _attach(suite, resumed)
             out["resumed_at"] = resumed.step
             suite.fire("on_checkpoint_load", path)
-        _train_until(ctx.run, suite, cfg.train.steps, out)
+        _train_until(ctx.run, suite, cfg.train.steps, out, capture)
+        if capture is not None:
+            capture.state(ctx.run)  # what the evaluation and the end-of-run probes saw
         ctx.phase = "eval"
         eval_start = time.perf_counter()
         out["val_loss"] = evaluate(ctx.run.model, ctx.run.corpus.val[:EVAL_DOCS], ctx.run.tokenizer.pad_id,
@@ -275,11 +288,14 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path) -> dict:
     return out
 
 
-def run_case_on_rank(rank: int, case_dict: dict, golden: dict | None, workdir: str) -> dict:
+def case_from_dict(d: dict) -> Case:
+    return Case(d["recipe"], d["seed"], tuple(d["faults"]), tuple(d["detectors"]), tuple(d["plugins"]))
+
+
+def run_case_on_rank(rank: int, case_dict: dict, golden: dict | None, workdir: str,
+                     capture_dir: str | None = None) -> dict:
     """RankPool entry: the case on this rank (the process group is initialized)."""
-    case = Case(case_dict["recipe"], case_dict["seed"], tuple(case_dict["faults"]), tuple(case_dict["detectors"]),
-                tuple(case_dict["plugins"]))
-    return run_case(case, golden, rank, workdir)
+    return run_case(case_from_dict(case_dict), golden, rank, workdir, capture_dir)
 
 
 def case_hash(case: Case, code_digest: str) -> str:
@@ -300,16 +316,17 @@ def source_digest(*folders: str) -> str:
     return digest.hexdigest()
 
 
-def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float = 120.0) -> dict:
+def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float = 120.0,
+            capture_dir: str | None = None) -> dict:
     """Run a case where its recipe needs it: here, or on every rank of ``pool`` (findings of all ranks
     merged, the record of rank 0 otherwise). A rank failure (raise, death, hang) is a crash record."""
     if RECIPES[case.recipe].world_size == 1:
-        return run_case(case, golden)
+        return run_case(case, golden, capture_dir=capture_dir)
     from harness.launch import RankFailure
 
     try:
         with tempfile.TemporaryDirectory(prefix="faultbench-case-") as workdir:
-            ranks = pool.run(run_case_on_rank, case.to_dict(), golden, workdir, timeout_s=timeout_s)
+            ranks = pool.run(run_case_on_rank, case.to_dict(), golden, workdir, capture_dir, timeout_s=timeout_s)
     except RankFailure as exc:
         return failed_record(case, "RankFailure", str(exc))
     out = ranks[0]

@@ -146,17 +146,44 @@ def _run(args) -> int:
 
 
 def _run_detectors(args) -> int:
-    """The fault in its bench recipe with the detectors: the ranked findings with their evidence."""
+    """The fault in its bench recipe with the detectors: the ranked findings with their evidence, and the
+    repro bundle of the top finding."""
+    from faults.registry import get_fault
     from harness.detect import describe_findings, detect
 
-    record = detect(tuple(args.fault), args.seed, tuple(args.detectors), args.recipe, tuple(args.plugin or ()))
+    bundle = None
+    if not args.no_bundle:
+        from harness.bundle import bundle_name
+        from harness.case import recipe_for
+
+        recipe = args.recipe or recipe_for(get_fault(args.fault[0]).manifest)
+        bundle = args.bundle or f"bundles/{bundle_name({'faults': args.fault, 'recipe': recipe, 'seed': args.seed})}"
+    record = detect(tuple(args.fault), args.seed, tuple(args.detectors), args.recipe, tuple(args.plugin or ()),
+                    bundle=bundle, command=args.command_line)
+    text = describe_findings(record)
+    if record.get("bundle"):
+        text += f"\nrepro bundle: {record['bundle']} (faultbench replay {record['bundle']})"
     if args.json:
-        print(describe_findings(record), file=sys.stderr)
-        print(json.dumps({k: record[k] for k in ("case", "crash", "findings", "detector_errors", "val_loss")},
-                         default=str))
+        print(text, file=sys.stderr)
+        print(json.dumps({k: record.get(k) for k in ("case", "crash", "findings", "detector_errors", "val_loss",
+                                                     "bundle")}, default=str))
     else:
-        print(describe_findings(record))
+        print(text)
     return 0
+
+
+def _replay(args) -> int:
+    """Run a repro bundle's case again: the same finding, batch and state, or what differs (exit 1)."""
+    from harness.bundle import describe_replay, replay
+
+    torch.set_num_threads(1)
+    result = replay(args.bundle)
+    if args.json:
+        print(describe_replay(result), file=sys.stderr)
+        print(json.dumps(result, default=str))
+    else:
+        print(describe_replay(result))
+    return 0 if result["reproduced"] else 1
 
 
 def _detectors(args) -> int:
@@ -186,7 +213,8 @@ def _bench(args) -> int:
     cfg = BenchConfig(seeds=seeds, detectors=tuple(args.detectors or ("all",)), plugins=tuple(args.plugin or ()),
                       exclusive=not args.quick,
                       only_plugin_faults=args.only_plugin_faults, faults=tuple(args.fault) if args.fault else None,
-                      jobs=args.jobs, out=Path(args.out), use_cache=not args.no_cache, progress=not args.json)
+                      jobs=args.jobs, out=Path(args.out), use_cache=not args.no_cache, progress=not args.json,
+                      bundles=Path(args.bundles) if args.bundles else None, command=tuple(args.command_line))
     if args.fault:
         from faults.registry import get_fault, load_plugin
 
@@ -282,8 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the fault in its bench recipe with these detectors ('all', 'suite', 'baselines' or "
                           "ids) and show the ranked findings")
     run.add_argument("--recipe", help="with --detectors: the bench recipe (default: the fault's)")
+    run.add_argument("--bundle", metavar="DIR",
+                     help="with --detectors: where the repro bundle goes (default bundles/FAULT-RECIPE-sSEED)")
+    run.add_argument("--no-bundle", action="store_true", help="with --detectors: write no repro bundle")
     run.add_argument("--json", action="store_true", help="last stdout line is a JSON report")
     run.set_defaults(func=_run)
+
+    rep = sub.add_parser("replay", help="run a repro bundle's case again and say whether its finding comes back")
+    rep.add_argument("bundle")
+    rep.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
+    rep.set_defaults(func=_replay)
 
     dets = sub.add_parser("detectors", help="list the registered detectors")
     dets.add_argument("--json", action="store_true")
@@ -300,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--jobs", type=int, default=2, help="cases run in parallel (default 2)")
     bench.add_argument("--out", default="results", help="output folder (default results/)")
     bench.add_argument("--no-cache", action="store_true", help="recompute every case")
+    bench.add_argument("--bundles", metavar="DIR",
+                       help="write a repro bundle for every case where a detector fires (runs every case anew)")
     bench.add_argument("--json", action="store_true", help="table on stderr; last stdout line is summary.json")
     bench.set_defaults(func=_bench)
 
@@ -329,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = ["faultbench", *(sys.argv[1:] if argv is None else argv)]
     try:
         return args.func(args)
     except ValueError as e:  # bad configs and checkpoints: a clear message, not a traceback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 
 from detectors.api import all_detectors, rank_key, resolve_ids
 from harness.case import RECIPES, Case, execute, recipe_for
@@ -15,10 +16,13 @@ def detector_groups(ids) -> list[tuple[str, ...]]:
     return ([shared] if shared else []) + [(d,) for d in ids if registry[d].exclusive]
 
 
-def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None = None, plugins=()) -> dict:
+def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None = None, plugins=(),
+           bundle=None, command=()) -> dict:
     """Run the faults (none: clean) in their recipe with the detectors; the case record, with the findings
-    of exclusive detectors (run in their own cases) merged into its ranked list."""
+    of exclusive detectors (run in their own cases) merged into its ranked list. With ``bundle`` (a folder)
+    and a finding, the repro bundle of the top finding is written there (``record["bundle"]``)."""
     from faults.registry import get_fault, load_plugin
+    from harness.bundle import write_bundle
     from harness.golden import load_golden
 
     for plugin in plugins:
@@ -35,17 +39,21 @@ def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None
         from harness.launch import RankPool
 
         pool = RankPool(RECIPES[recipe].world_size)
-    try:
-        golden = load_golden([recipe], pool)[recipe]
-        record, *others = [execute(case, golden, pool) for case in cases]
-    finally:
-        if pool is not None:
-            pool.close()
-    for other in others:
-        record["findings"] += other["findings"]
-        record["detector_errors"].update(other["detector_errors"])
-    record["findings"].sort(key=rank_key)
-    return record
+    with tempfile.TemporaryDirectory(prefix="faultbench-capture-") as capture:
+        try:
+            golden = load_golden([recipe], pool)[recipe]
+            records = [execute(case, golden, pool, capture_dir=f"{capture}/{i}" if bundle else None)
+                       for i, case in enumerate(cases)]
+        finally:
+            if pool is not None:
+                pool.close()
+        merged = {**records[0], "findings": sorted((f for r in records for f in r["findings"]), key=rank_key),
+                  "detector_errors": {d: e for r in records for d, e in r["detector_errors"].items()}}
+        if bundle and merged["findings"]:
+            top = merged["findings"][0]["detector"]
+            which = next(i for i, case in enumerate(cases) if top in case.detectors)
+            merged["bundle"] = str(write_bundle(bundle, records[which], f"{capture}/{which}", list(command)))
+    return merged
 
 
 def describe_findings(record: dict, limit: int = 20) -> str:

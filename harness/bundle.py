@@ -1,0 +1,213 @@
+"""Repro bundles: everything needed to see a finding again, and ``replay`` that shows it again.
+
+A bundle is a folder written when a detector fires (``faultbench run ... --detectors``, ``faultbench
+bench --bundles DIR``), for the case's top-ranked finding:
+
+  bundle.json      the command that made it, the case (recipe, seed, faults, detectors, plugins), the
+                   run config, the finding's step and rank, the code digest and the torch version
+  finding.json     the finding, every finding of the case, and its crash (if any)
+  batch.pt         the micro-batches the run trained on at the finding's step (absent when the step never
+                   drew one: a crash while collating, a finding after the last step)
+  checkpoint.pt    the run's state just before that step: model, optimizer, scheduler, scaler, step and
+                   this rank's RNG states (``torch.load(..., weights_only=True)``)
+  metrics.jsonl    the per-step metrics of the run, one JSON object a line
+  MANIFEST.sha256  the sha256 of every other file (``sha256sum -c MANIFEST.sha256`` checks it)
+
+``replay`` verifies the manifest, runs the case again from its seed with the same capture, and says
+whether the same finding (detector, step, subsystem, seam, message) comes back, and whether the batch
+and the state before the step are bit-identical to the bundle's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+FORMAT = 1
+FILES = ("bundle.json", "finding.json", "batch.pt", "checkpoint.pt", "metrics.jsonl")
+
+
+class StepCapture:
+    """Keeps, on disk under ``directory``, the state of one rank before every step (and at the end of
+    training) and every step's batch, numbered in the order they happen: a resume may repeat or skip a
+    step number, the order never does."""
+
+    def __init__(self, directory: Path, rank: int):
+        self.dir = Path(directory) / f"rank{rank}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.count = 0
+
+    def state(self, run) -> None:
+        from model.checkpoint import capture_rng_state
+
+        self.count += 1
+        optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO: this rank's shard (no collective)
+        torch.save({"step": run.step, "model": run.model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
+                    "rng": capture_rng_state()}, self.dir / f"state-{self.count:04d}.pt")
+        with open(self.dir / "index.jsonl", "a") as f:
+            f.write(json.dumps({"capture": self.count, "step": run.step}) + "\n")
+
+    def batch(self, step: int, micro_batches: list[dict]) -> None:
+        torch.save(micro_batches, self.dir / f"batch-{self.count:04d}.pt")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _capture_before(rank_dir: Path, step: int | None) -> dict:
+    """The first capture, in the order they happened, at or after the finding's step: the state just before
+    that step ran (after a resume that mangled the step counter: the state just loaded)."""
+    index = [json.loads(line) for line in (rank_dir / "index.jsonl").read_text().splitlines()] \
+        if (rank_dir / "index.jsonl").exists() else []
+    if not index:
+        raise ValueError(f"nothing was captured under {rank_dir}: the run did not start")
+    return next((c for c in index if c["step"] >= (step or 0)), index[-1])
+
+
+def write_bundle(directory, record: dict, capture_dir, command: list[str]) -> Path:
+    """The bundle of ``record``'s top finding from the case's capture; written to a temporary folder and
+    renamed into place. Returns the folder."""
+    from harness.bench import code_digest
+    from harness.case import RECIPES
+
+    if not record["findings"]:
+        raise ValueError("no finding to bundle: the detectors were silent on this case")
+    directory = Path(directory)
+    finding = record["findings"][0]
+    rank = finding["evidence"].get("rank", 0)
+    rank_dir = Path(capture_dir) / f"rank{rank}"
+    captured = _capture_before(rank_dir, finding["step"])
+    number = captured["capture"]
+    case = record["case"]
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    meta = {"format": FORMAT, "command": " ".join(command), "replay": f"faultbench replay {directory}",
+            "case": case, "config": RECIPES[case["recipe"]].config(case["seed"]).to_dict(),
+            "seed": case["seed"], "step": captured["step"], "capture": number, "rank": rank,
+            "code_digest": code_digest(),
+            "torch": torch.__version__}
+    (tmp / "bundle.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (tmp / "finding.json").write_text(json.dumps({"finding": finding, "findings": record["findings"],
+                                                  "crash": record["crash"]}, indent=2, default=str) + "\n")
+    shutil.copy(rank_dir / f"state-{number:04d}.pt", tmp / "checkpoint.pt")
+    if (rank_dir / f"batch-{number:04d}.pt").exists():
+        shutil.copy(rank_dir / f"batch-{number:04d}.pt", tmp / "batch.pt")
+    (tmp / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in record["history"]))
+    (tmp / "MANIFEST.sha256").write_text("".join(f"{_sha256(tmp / name)}  {name}\n" for name in FILES
+                                                 if (tmp / name).exists()))
+    if directory.exists():
+        shutil.rmtree(directory)
+    tmp.rename(directory)
+    return directory
+
+
+def verify(directory) -> dict:
+    """The bundle's bundle.json after checking every file against MANIFEST.sha256 (ValueError if not)."""
+    directory = Path(directory)
+    manifest = directory / "MANIFEST.sha256"
+    if not manifest.exists():
+        raise ValueError(f"{directory} is not a repro bundle (no MANIFEST.sha256)")
+    for line in manifest.read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        path = directory / name
+        if not path.exists():
+            raise ValueError(f"the bundle is incomplete: {name} is missing")
+        if _sha256(path) != digest:
+            raise ValueError(f"the bundle was modified: {name} does not match its sha256 in MANIFEST.sha256")
+    return json.loads((directory / "bundle.json").read_text())
+
+
+def _same_finding(a: dict, b: dict) -> bool:
+    return all(a[k] == b[k] for k in ("detector", "step", "subsystem", "seam", "message"))
+
+
+def _tensors_equal(a, b) -> bool:
+    """Nested dicts/lists/tuples of tensors and plain values, compared exactly."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_tensors_equal, a, b))
+    return a == b
+
+
+def run_captured(case, capture_dir: str) -> dict:
+    """The case's record (findings of every rank merged), with its steps captured under ``capture_dir``."""
+    from harness.case import RECIPES, execute
+    from harness.golden import load_golden
+
+    pool = None
+    if RECIPES[case.recipe].world_size > 1:
+        from harness.launch import RankPool
+
+        pool = RankPool(RECIPES[case.recipe].world_size)
+    try:
+        golden = load_golden([case.recipe], pool)[case.recipe]
+        return execute(case, golden, pool, capture_dir=capture_dir)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def replay(directory) -> dict:
+    """Run the bundle's case again; what came back and what differs (``reproduced``: all of it matches)."""
+    from faults.registry import load_plugin
+    from harness.bench import code_digest
+    from harness.case import case_from_dict
+
+    directory = Path(directory)
+    meta = verify(directory)
+    case = case_from_dict(meta["case"])
+    for plugin in case.plugins:
+        load_plugin(plugin)
+    expected = json.loads((directory / "finding.json").read_text())["finding"]
+    with tempfile.TemporaryDirectory(prefix="faultbench-replay-") as capture:
+        record = run_captured(case, capture)
+        rank_dir = Path(capture) / f"rank{meta['rank']}"
+        number = meta["capture"]
+        load = lambda p: torch.load(p, weights_only=True) if p.exists() else None  # noqa: E731
+        state_same = _tensors_equal(load(directory / "checkpoint.pt"), load(rank_dir / f"state-{number:04d}.pt"))
+        batch_same = _tensors_equal(load(directory / "batch.pt"), load(rank_dir / f"batch-{number:04d}.pt"))
+    found = next((f for f in record["findings"] if _same_finding(f, expected)), None)
+    differences = []
+    if found is None:
+        differences.append("the finding did not come back" + (f"; the top finding now: {record['findings'][0]}"
+                                                               if record["findings"] else "; no finding at all"))
+    if not state_same:
+        differences.append(f"the state before step {meta['step']} differs from checkpoint.pt")
+    if not batch_same:
+        differences.append(f"the batch of step {meta['step']} differs from batch.pt")
+    return {"reproduced": not differences, "finding": expected, "evidence_identical": bool(found) and
+            json.dumps(found["evidence"], sort_keys=True, default=str)
+            == json.dumps(expected["evidence"], sort_keys=True, default=str),
+            "state_identical": state_same, "batch_identical": batch_same, "differences": differences,
+            "same_code": meta["code_digest"] == code_digest(), "step": meta["step"], "case": meta["case"]}
+
+
+def describe_replay(result: dict) -> str:
+    f = result["finding"]
+    case = result["case"]
+    head = (f"case {'+'.join(case['faults']) or 'clean'} / {case['recipe']} / seed {case['seed']}; finding: "
+            f"{f['detector']} at step {f['step']}: {f['subsystem']} / {f['seam'] or '-'}: {f['message']}")
+    if not result["same_code"]:
+        head += "\nnote: the code has changed since the bundle was written"
+    if result["reproduced"]:
+        return (f"{head}\nreproduced: the same finding came back; the batch and the state before step "
+                f"{result['step']} are bit-identical to the bundle's"
+                + ("" if result["evidence_identical"] else " (its evidence values differ)"))
+    return f"{head}\nNOT reproduced:\n" + "\n".join(f"  - {d}" for d in result["differences"])
+
+
+def bundle_name(case: dict) -> str:
+    return f"{'+'.join(case['faults']) or 'clean'}-{case['recipe']}-s{case['seed']}"
+
