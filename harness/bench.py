@@ -83,8 +83,17 @@ def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
     return cases, {k: v.metadata() for k, v in specs.items()}
 
 
-def code_digest() -> str:
-    return source_digest("model", "faults", "detectors", "harness/case.py", "harness/golden.py")[:16]
+def code_digest(plugins=()) -> str:
+    """The digest of every source a case's result depends on: the project's and its plugins' (a plugin's
+    file, or its module's file, loaded already)."""
+    import hashlib
+    import importlib.util
+
+    digest = source_digest("model", "faults", "detectors", "harness/case.py", "harness/golden.py")
+    for plugin in plugins:
+        path = Path(plugin) if plugin.endswith(".py") else Path(importlib.util.find_spec(plugin).origin)
+        digest = hashlib.sha256((digest + path.read_text()).encode()).hexdigest()
+    return digest[:16]
 
 
 # ---- isolated execution -------------------------------------------------------------------------
@@ -189,7 +198,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     torch.set_num_threads(1)
     start = time.monotonic()
     cases, faults = build_matrix(cfg)
-    digest = code_digest()
+    digest = code_digest(cfg.plugins)
     records: dict[Case, dict] = {}
     todo = []
     for case in cases:

@@ -93,7 +93,7 @@ def write_bundle(directory, record: dict, capture_dir, command: list[str]) -> Pa
     meta = {"format": FORMAT, "command": " ".join(command), "replay": f"faultbench replay {directory}",
             "case": case, "config": RECIPES[case["recipe"]].config(case["seed"]).to_dict(),
             "seed": case["seed"], "step": captured["step"], "capture": number, "rank": rank,
-            "code_digest": code_digest(),
+            "code_digest": code_digest(case["plugins"]),
             "torch": torch.__version__}
     (tmp / "bundle.json").write_text(json.dumps(meta, indent=2) + "\n")
     (tmp / "finding.json").write_text(json.dumps({"finding": finding, "findings": record["findings"],
@@ -191,7 +191,7 @@ def replay(directory) -> dict:
             json.dumps(found["evidence"], sort_keys=True, default=str)
             == json.dumps(expected["evidence"], sort_keys=True, default=str),
             "state_identical": state_same, "batch_identical": batch_same, "differences": differences,
-            "same_code": meta["code_digest"] == code_digest(), "step": meta["step"], "case": meta["case"]}
+            "same_code": meta["code_digest"] == code_digest(case.plugins), "step": meta["step"], "case": meta["case"]}
 
 
 def describe_replay(result: dict) -> str:

@@ -1,0 +1,214 @@
+"""results/peers.md: the peer tools and our suite scored on the same cases, side by side.
+
+Every tool's rows come from a bench.csv written by the same scorer (``harness.score.case_rows``): our
+suite and the anomaly-mode baseline from results/bench.csv (``make bench``), each peer from
+results/peers/<tool>/bench.csv (``make bench-peers``). The cases are matched by name (fault/recipe/seed),
+so a tool's overhead is its case's training time over the same case's time without any tool (the suite's
+run minus its step hooks, which is the plain run's time).
+
+``python -m peers.report [--results results]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.atomic import write_text
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Tool:
+    id: str  # the detector column of its bench.csv
+    name: str
+    csv: str  # relative to the results folder
+    approach: str  # a short, fair description of how it works and how it ran here
+
+
+TOOLS = (
+    Tool("suite", "faultbench suite", "bench.csv",
+         "35 detectors: contract probes of each seam on crafted inputs, differential probes of the whole model, "
+         "passive monitors against clean golden traces; each finding names a subsystem and a seam."),
+    Tool("detect_anomaly", "torch.autograd.detect_anomaly", "bench.csv",
+         "PyTorch's anomaly mode for the whole run: a backward function that returns NaN raises, with the "
+         "forward traceback of the op that made it; mapped to the innermost seam on that traceback."),
+    Tool("torcheck", "torcheck 1.0.1", "peers/torcheck/bench.csv",
+         "Registers checks on the optimizer (parameters change or not, no NaN/inf, output ranges); a failed check "
+         "raises at optimizer.step; its message names the module/parameter, mapped to a subsystem."),
+    Tool("smdebug_rules", "SageMaker Debugger rules (smdebug)", "peers/smdebug/bench.csv",
+         "smdebug's PyTorch hook saves weights, gradients and losses every step; its built-in rules (vanishing "
+         "gradient, exploding tensor, loss not decreasing, weight-update ratio, all-zero, unchanged tensor, ...) "
+         "run on the saved steps with their documented defaults; a firing rule maps to a subsystem."),
+    Tool("traincheck", "TrainCheck 0.2.0", "peers/traincheck/bench.csv",
+         "Instruments the training program's API calls, infers invariants from clean reference runs (golden "
+         "seeds), and checks each run's trace against them; a violation names the API/variable, mapped to a "
+         "subsystem and, where the API is a reference function, its seam."),
+)
+
+
+def _value(cell: str):
+    if cell in ("True", "False"):
+        return cell == "True"
+    try:
+        return float(cell)
+    except ValueError:
+        return cell if cell != "" else None
+
+
+def read_rows(results: Path, tool: Tool) -> list[dict]:
+    path = results / tool.csv
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [{k: _value(v) for k, v in row.items()} for row in csv.DictReader(f) if row["detector"] == tool.id]
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def plain_train_s(results: Path) -> dict[str, float]:
+    """Case name -> training seconds without any tool: the suite's run minus its step hooks."""
+    suite = TOOLS[0]
+    return {r["case"]: r["train_s"] - r["step_s"] for r in read_rows(results, suite) if r["train_s"]}
+
+
+def scores(rows: list[dict], plain: dict[str, float], is_suite: bool) -> dict:
+    faulty = [r for r in rows if r["fault"]]
+    clean = [r for r in rows if not r["fault"]]
+    latencies = [r["latency"] for r in faulty if r["latency"] is not None]
+    if is_suite:  # the suite shares the run: its cost is its step hooks' share of the step time
+        ratios = [r["train_s"] / (r["train_s"] - r["step_s"]) for r in rows if r["train_s"] > r["step_s"] > 0]
+    else:  # a peer changes the run: its run against the same case's plain run (crashed runs stop early)
+        ratios = [r["train_s"] / plain[r["case"]] for r in rows
+                  if r["train_s"] and plain.get(r["case"]) and not r["crash"]]
+    return {
+        "fault_cases": len(faulty), "clean_cases": len(clean),
+        "unrun": sum(bool(r["error"]) and "could not run" in str(r["error"]) for r in rows),
+        "detection": _mean(r["detected"] for r in faulty),
+        "false_positive": _mean(r["detected"] for r in clean),
+        "top1_subsystem": _mean(r["top1_subsystem"] for r in faulty),
+        "top1_seam": _mean(r["top1_seam"] for r in faulty),
+        "median_latency": statistics.median(latencies) if latencies else None,
+        "overhead": statistics.median(ratios) if ratios else None,
+    }
+
+
+def per_fault(rows: list[dict]) -> dict[str, dict]:
+    """Fault -> seeds, and on how many of them the tool detected / localized (subsystem, seam) it, and its
+    latencies."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if not r["fault"]:
+            continue
+        e = out.setdefault(r["fault"], {"seeds": 0, "detected": 0, "sub": 0, "seam": 0, "latencies": []})
+        e["seeds"] += 1
+        e["detected"] += bool(r["detected"])
+        e["sub"] += bool(r["top1_subsystem"])
+        e["seam"] += bool(r["top1_seam"])
+        if r["latency"] is not None:
+            e["latencies"].append(r["latency"])
+    return out
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) and not value.is_integer() else f"{value:g}"
+
+
+def beats(peer: dict[str, dict], ours: dict[str, dict]) -> list[str]:
+    """Faults where the peer does better than our suite: more seeds detected or localized, or earlier."""
+    lines = []
+    for fault, p in sorted(peer.items()):
+        o = ours.get(fault)
+        if o is None:
+            continue
+        better = [f"{what} on {p[key]}/{p['seeds']} seeds vs our {o[key]}/{o['seeds']}"
+                  for key, what in (("detected", "detected"), ("sub", "right subsystem first"),
+                                    ("seam", "right seam first")) if p[key] > o[key]]
+        if p["latencies"] and o["latencies"] and statistics.median(p["latencies"]) < statistics.median(o["latencies"]):
+            better.append(f"found at step {statistics.median(p['latencies']):g} after the trigger vs our "
+                          f"{statistics.median(o['latencies']):g}")
+        if better:
+            lines.append(f"`{fault}`: " + "; ".join(better))
+    return lines
+
+
+def render(results: Path) -> str:
+    plain = plain_train_s(results)
+    table = {t.id: read_rows(results, t) for t in TOOLS}
+    ran = [t for t in TOOLS if table[t.id]]
+    missing = [t for t in TOOLS if not table[t.id]]
+    lines = [
+        "# Peer tools on the same cases",
+        "",
+        "Written by `make bench-peers` (`python -m peers.report`). Every tool ran on the same cases: each of the "
+        "faults in the recipe its manifest points to, seeds 0, 1, 2, plus the clean matrix (every recipe x the same "
+        "seeds) for false positives, scored by the same code as the leaderboard (`harness/score.py`). Our suite "
+        "and anomaly mode come from results/bench.csv; each peer from results/peers/<tool>/bench.csv.",
+        "",
+        "| tool | fault cases | clean cases | detection | false positives | Top-1 subsystem | Top-1 seam | "
+        "median latency (steps) | overhead (x step time) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    summary = {t.id: scores(table[t.id], plain, t.id == "suite") for t in ran}
+    for t in ran:
+        s = summary[t.id]
+        lines.append(f"| {t.name} | {s['fault_cases']} | {s['clean_cases']} | {_fmt(s['detection'])} | "
+                     f"{_fmt(s['false_positive'])} | {_fmt(s['top1_subsystem'])} | {_fmt(s['top1_seam'])} | "
+                     f"{_fmt(s['median_latency'])} | {_fmt(s['overhead'], 2)} |")
+    lines += ["", "Overhead: our suite shares the run, so its figure is the step time with its hooks over the step "
+              "time without them (same run); a peer changes the run, so its figure is its run's training time over "
+              "the same case's plain training time (median over cases that did not crash).", ""]
+    if missing:
+        lines += ["Not scored (no results): " + ", ".join(f"{t.name} (`{t.csv}` is missing)" for t in missing), ""]
+    lines += ["## How each tool works, and how it ran here", ""]
+    lines += [f"- **{t.name}**: {t.approach}" for t in ran] + [""]
+
+    faults = per_fault(table["suite"])
+    by_tool = {t.id: per_fault(table[t.id]) for t in ran}
+    lines += ["## Per fault", "",
+              "Each cell: seeds detected / seeds with the right subsystem first / seeds with the right seam first.", "",
+              "| fault | " + " | ".join(t.name for t in ran) + " |", "|---|" + "---|" * len(ran)]
+    for fault in sorted(faults):
+        cells = []
+        for t in ran:
+            e = by_tool[t.id].get(fault)
+            cells.append(f"{e['detected']}/{e['sub']}/{e['seam']}" if e else "-")
+        lines.append(f"| `{fault}` | " + " | ".join(cells) + " |")
+
+    nobody = [f for f in sorted(faults) if not any(by_tool[t.id].get(f, {}).get("detected") for t in ran)]
+    no_peer = [f for f in sorted(faults) if not any(by_tool[t.id].get(f, {}).get("detected") for t in ran
+                                                    if t.id != "suite")]
+    lines += ["", "## Faults no tool catches", "",
+              ("None: every fault is detected by at least one tool on at least one seed." if not nobody
+               else ", ".join(f"`{f}`" for f in nobody)),
+              "", f"Faults no peer catches on any seed ({len(no_peer)} of {len(faults)}): "
+              + (", ".join(f"`{f}`" for f in no_peer) or "none") + ".", "",
+              "## Where a peer beats our suite", ""]
+    for t in ran[1:]:
+        won = beats(by_tool[t.id], faults)
+        lines.append(f"- **{t.name}**: " + ("; ".join(won) if won else "on no fault (detection, localization or "
+                                                                    "latency)") + ".")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default=str(ROOT / "results"))
+    args = parser.parse_args(argv)
+    results = Path(args.results)
+    write_text(results / "peers.md", render(results))
+    print(f"wrote {results / 'peers.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
