@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from detectors.api import SUBSYSTEMS
 from faults.registry import all_faults
 from harness.cli import main
 from harness.practice import rubric
@@ -79,7 +80,7 @@ def test_exercise_round_trip(tmp_path, monkeypatch, fault_id):
     assert spec.subsystem in practice.hint(ex) and spec.seams[0] in practice.hint(ex)
     assert practice.answer(ex, spec.subsystem, spec.seams[0]) == {"subsystem": "right", "seam": "right",
                                                                   "hints_used": 3}
-    wrong = next(s for s in ("eval", "loss") if s != spec.subsystem and s not in spec.also_acceptable)
+    wrong = next(s for s in SUBSYSTEMS if s != spec.subsystem and s not in spec.also_acceptable)
     assert practice.answer(ex, wrong)["subsystem"] == "wrong"
     assert "What is wrong" in practice.reveal(ex) and spec.fix in practice.reveal(ex)
 
