@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch is installed first and pinned for every later install, so pip can never swap in another build.
 TORCH  := torch==2.13.0
 
-.PHONY: setup test bench bench-quick perf faults-report mutation lint clean
+.PHONY: setup test bench bench-quick bench-peers perf faults-report mutation lint clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,37 @@ bench: setup
 bench-quick: setup
 	$(PY) -m harness bench --quick --out results/quick
 
+# Peer tools, each in a venv of its own so the core install stays lean (torch pinned in each):
+# TrainCheck and torcheck (torcheck declares an old torch: installed without its dependencies), and
+# smdebug, which needs numpy<2 and imports requests and psutil without declaring them.
+PEERS   := .venv-peers
+SMDEBUG := .venv-smdebug
+
+$(PEERS)/.installed: pyproject.toml
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	echo "$(TORCH)" > $(PEERS)/constraints.txt
+	$(PEERS)/bin/python -m pip install --quiet $(TORCH)
+	$(PEERS)/bin/python -m pip install --quiet -c $(PEERS)/constraints.txt -e '.[dev]' traincheck==0.2.0
+	$(PEERS)/bin/python -m pip install --quiet --no-deps torcheck==1.0.1
+	touch $@
+
+$(SMDEBUG)/.installed: pyproject.toml
+	test -x $(SMDEBUG)/bin/python || $(PYTHON) -m venv $(SMDEBUG)
+	printf '$(TORCH)\nnumpy<2\n' > $(SMDEBUG)/constraints.txt
+	$(SMDEBUG)/bin/python -m pip install --quiet -c $(SMDEBUG)/constraints.txt $(TORCH) 'numpy<2'
+	$(SMDEBUG)/bin/python -m pip install --quiet -c $(SMDEBUG)/constraints.txt -e '.[dev]' smdebug==1.0.34 requests psutil
+	touch $@
+
+# Our suite and the peers on the same cases and seeds; writes results/peers/<tool>/ and results/peers.md.
+bench-peers: setup $(PEERS)/.installed $(SMDEBUG)/.installed
+	$(PEERS)/bin/python -m pytest -q -p no:cacheprovider tests/peers
+	$(SMDEBUG)/bin/python -m pytest -q -p no:cacheprovider tests/peers/test_smdebug_peer.py
+	$(PY) -m harness bench
+	$(PEERS)/bin/python -m harness bench --plugin peers.torcheck_peer --detectors torcheck --out results/peers/torcheck
+	$(SMDEBUG)/bin/python -m harness bench --plugin peers.smdebug_peer --detectors smdebug --out results/peers/smdebug
+	$(PEERS)/bin/python -m peers.traincheck_peer --out results/peers/traincheck
+	$(PY) -m peers.report
+
 perf: setup
 	$(PY) -m benchmarks.perf
 	$(PY) -m benchmarks.dist_startup
@@ -47,5 +78,5 @@ lint: setup
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build
+	rm -rf $(VENV) $(PEERS) $(SMDEBUG) .pytest_cache .ruff_cache *.egg-info build
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
