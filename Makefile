@@ -59,6 +59,9 @@ bench-peers: setup $(PEERS)/.installed $(SMDEBUG)/.installed
 	$(PEERS)/bin/python -m harness bench --plugin peers.torcheck_peer --detectors torcheck --out results/peers/torcheck
 	$(SMDEBUG)/bin/python -m harness bench --plugin peers.smdebug_peer --detectors smdebug --out results/peers/smdebug
 	$(PEERS)/bin/python -m peers.traincheck_peer --out results/peers/traincheck
+	$(PEERS)/bin/python -m peers.overhead torcheck
+	$(SMDEBUG)/bin/python -m peers.overhead smdebug
+	$(PEERS)/bin/python -m peers.overhead traincheck
 	$(PY) -m peers.report
 
 perf: setup

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +61,9 @@ TOOLS = (
          "tracking: inference crashes on traces made with the sampler tracker (KeyError 'proxy_obj_names'), so "
          "every invariant is about API calls. The check is offline, after the run: a violation's step is that "
          "of the event it names, which for a missing call can precede the trigger (a negative latency). One "
-         "invariant is flaky on clean runs ('GELU.forward() receives distinct arguments at each step' fired on "
-         "one of two identical clean fp32 runs): the false positive in the table is that one."),
+         "invariant is flaky on clean runs: 'GELU.forward() receives distinct arguments at each step' fired on one "
+         "of two identical clean fp32 runs while the adapter was built, so its false-positive rate can read 1/9 "
+         "on another run of the same cases."),
 )
 
 
@@ -96,10 +98,11 @@ def plain_train_s(results: Path) -> dict[str, float]:
 def scores(rows: list[dict], plain: dict[str, float], is_suite: bool) -> dict:
     faulty = [r for r in rows if r["fault"]]
     clean = [r for r in rows if not r["fault"]]
-    latencies = [r["latency"] for r in faulty if r["latency"] is not None]
+    # an offline check can attribute a violation to an event before the trigger: that is not earlier than 0
+    latencies = [max(r["latency"], 0) for r in faulty if r["latency"] is not None]
     if is_suite:  # the suite shares the run: its cost is its step hooks' share of the step time
         ratios = [r["train_s"] / (r["train_s"] - r["step_s"]) for r in rows if r["train_s"] > r["step_s"] > 0]
-    else:  # a peer changes the run: its run against the same case's plain run (crashed runs stop early)
+    else:  # anomaly mode changes the run: its case against the same bench's suite case without the hooks
         ratios = [r["train_s"] / plain[r["case"]] for r in rows
                   if r["train_s"] and plain.get(r["case"]) and not r["crash"]]
     return {
@@ -126,7 +129,7 @@ def per_fault(rows: list[dict]) -> dict[str, dict]:
         e["detected"] += bool(r["detected"])
         e["sub"] += bool(r["top1_subsystem"])
         e["seam"] += bool(r["top1_seam"])
-        if r["latency"] is not None:  # an offline check can name an event before the trigger: not earlier
+        if r["latency"] is not None:  # as in scores(): never before the trigger
             e["latencies"].append(max(r["latency"], 0))
     return out
 
@@ -173,14 +176,20 @@ def render(results: Path) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     summary = {t.id: scores(table[t.id], plain, t.id == "suite") for t in ran}
+    for t in ran:  # a peer's own side-by-side measurement (peers/overhead.py), never times from another run
+        measured = results / "peers" / t.id / "overhead.json"
+        if t.csv.startswith("peers/"):
+            summary[t.id]["overhead"] = json.loads(measured.read_text())["median_ratio"] if measured.exists() else None
     for t in ran:
         s = summary[t.id]
         lines.append(f"| {t.name} | {s['fault_cases']} | {s['clean_cases']} | {_fmt(s['detection'])} | "
                      f"{_fmt(s['false_positive'])} | {_fmt(s['top1_subsystem'])} | {_fmt(s['top1_seam'])} | "
                      f"{_fmt(s['median_latency'])} | {_fmt(s['overhead'], 2)} |")
-    lines += ["", "Overhead: our suite shares the run, so its figure is the step time with its hooks over the step "
-              "time without them (same run); a peer changes the run, so its figure is its run's training time over "
-              "the same case's plain training time (median over cases that did not crash).", ""]
+    lines += ["", "Overhead, always from one run: our suite shares the run, so its figure is the step time with its "
+              "hooks over the step time without them (the bench's accounting; `make perf` measures it end to end); "
+              "anomaly mode's is its case's training time over the same bench's suite case without the hooks; each "
+              "peer's comes from `python -m peers.overhead TOOL`: the clean fp32, accum and left_pad cases with and "
+              "without the tool, interleaved, median time per step (results/peers/<tool>/overhead.json).", ""]
     if missing:
         lines += ["Not scored (no results): " + ", ".join(f"{t.name} (`{t.csv}` is missing)" for t in missing), ""]
     lines += ["## How each tool works, and how it ran here", ""]

@@ -356,6 +356,13 @@ def code_digest() -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def invariants_digest() -> str:
+    """What a recipe's invariants depend on: the reference and the settings."""
+    from harness.case import source_digest
+
+    return hashlib.sha256(f"{source_digest('model')}/{SETTINGS}".encode()).hexdigest()[:16]
+
+
 def with_findings(record: dict) -> dict:
     """The record with its violations mapped to ranked findings (the bench's "findings")."""
     from model.seams import SEAMS
@@ -366,10 +373,10 @@ def with_findings(record: dict) -> dict:
 def run_matrix(cases: list, jobs: int, use_cache: bool = True, progress=print) -> list[dict]:
     """Every case's record (cached ones reused), ``jobs`` cases at a time; invariants first, per recipe."""
     from harness.atomic import write_text
-    from harness.case import case_hash, failed_record, source_digest
+    from harness.case import case_hash, failed_record
 
-    inv_digest = hashlib.sha256(f"{source_digest('model')}/{SETTINGS}".encode()).hexdigest()[:16]
-    digest = code_digest()  # the invariants depend on model/ alone, which this covers
+    inv_digest = invariants_digest()
+    digest = code_digest()
     recipes = sorted({c.recipe for c in cases if not unsupported(c.recipe)})
     invariants: dict[str, Path | Exception] = {}
 

@@ -1,0 +1,36 @@
+"""results/peers.md from bench.csv files: scores per tool, per-fault cells, and where a peer beats the suite."""
+
+import json
+
+from harness.report import write_csv
+from peers.report import beats, per_fault, render, scores
+
+
+def _row(detector, fault, seed, detected, sub=False, seam=False, latency=None, train_s=1.0, step_s=0.0, error=""):
+    case = f"{fault or 'clean'}/fp32/s{seed}"
+    return {"case": case, "fault": fault, "recipe": "fp32", "seed": seed, "detector": detector, "detected": detected,
+            "findings": int(detected), "first_step": latency, "latency": latency, "top1_subsystem": sub,
+            "top3_subsystem": sub, "rr_subsystem": float(sub), "top1_seam": seam, "top3_seam": seam,
+            "rr_seam": float(seam), "crash": "", "hang": False, "train_s": train_s, "step_s": step_s, "other_s": 0.0,
+            "error": error}
+
+
+def test_a_peer_that_finds_what_the_suite_misses_is_credited(tmp_path):
+    suite = [_row("suite", "a", s, True, True, True, 0, 1.1, 0.1) for s in (0, 1)]
+    suite += [_row("suite", "b", s, False) for s in (0, 1)] + [_row("suite", "", 0, False, train_s=1.1, step_s=0.1)]
+    write_csv(tmp_path / "bench.csv", suite)
+    peer = [_row("torcheck", "b", 0, True, True, False, -3), _row("torcheck", "b", 1, False),
+            _row("torcheck", "a", 0, False), _row("torcheck", "", 0, True)]
+    write_csv(tmp_path / "peers" / "torcheck" / "bench.csv", peer)
+    (tmp_path / "peers" / "torcheck" / "overhead.json").write_text(json.dumps({"median_ratio": 1.5}))
+
+    s = scores(peer, {}, is_suite=False)
+    assert (s["detection"], s["false_positive"], s["top1_subsystem"]) == (1 / 3, 1.0, 1 / 3)
+    assert per_fault(peer)["b"]["latencies"] == [0]  # an offline check naming an event before the trigger
+    won = beats(per_fault(peer), per_fault(suite))
+    assert won == ["`b`: detected on 1/2 seeds vs our 0/2; right subsystem first on 1/2 seeds vs our 0/2"]
+
+    text = render(tmp_path)
+    assert "| torcheck 1.0.1 | 3 | 1 | 0.333 | 1 | 0.333 | 0 | 0 | 1.50 |" in text
+    assert "| `b` | 0/0/0 | 1/1/0 |" in text and "Faults no tool catches" in text
+    assert "TrainCheck 0.2.0 (`peers/traincheck/bench.csv` is missing)" in text
