@@ -21,10 +21,12 @@ import json
 import multiprocessing
 import os
 import random
+import runpy
 import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -210,6 +212,15 @@ def _reference_cached(kind: str, key: dict, sources: tuple[str, ...], compute):
 
 
 def _run_train(script: Path, cwd: Path, args: list[str], pythonpath: Path) -> tuple[str, int]:
+    """``python script args`` in ``cwd`` with ``pythonpath`` first: its output and exit code (-1: it hung).
+    One process runs in a child forked from this warm one (the script run as ``__main__`` with the project's
+    modules imported afresh from ``pythonpath``); two ranks need a fresh interpreter to spawn from."""
+    if "--world-size" not in args or args[args.index("--world-size") + 1] == "1":
+        with tempfile.TemporaryDirectory(prefix="faultbench-train-") as tmp:
+            log = Path(tmp) / "log"
+            code = _forked(_script_in_fork, (str(script), str(cwd), args, str(pythonpath), str(log)), 600.0)
+            return (log.read_text(errors="replace") if code is not None
+                    else "the run did not finish within 600 s (it hangs)\n"), -1 if code is None else code
     env = {**os.environ, "PYTHONPATH": str(pythonpath), "TOKENIZERS_PARALLELISM": "false"}
     try:
         proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True,
@@ -217,6 +228,54 @@ def _run_train(script: Path, cwd: Path, args: list[str], pythonpath: Path) -> tu
     except subprocess.TimeoutExpired:
         return "the run did not finish within 600 s (it hangs)\n", -1
     return proc.stdout + proc.stderr, proc.returncode
+
+
+def _fresh_project_modules(root: str) -> None:
+    """In a forked child: forget the project's modules and put ``root`` first on the path, so that ``model``
+    (and whatever imports it) is imported again, from ``root``."""
+    for name in [m for m in sys.modules if m.split(".")[0] in ("model", "faults", "harness", "detectors")]:
+        del sys.modules[name]
+    sys.path.insert(0, root)
+
+
+def _forked(target, args: tuple, timeout_s: float) -> int | None:
+    """``target(*args)`` in a child forked from this process; its exit code, None if it outlived the timeout."""
+    import torch._dynamo  # noqa: F401  (the first optimizer imports it lazily: 1.5 s in every child otherwise)
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # tokenizers' threads do not survive a fork
+    child = multiprocessing.get_context("fork").Process(target=target, args=args, daemon=True)
+    child.start()
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return None
+    return child.exitcode
+
+
+def _script_in_fork(script: str, cwd: str, args: list[str], root: str, log: str) -> None:
+    """Forked child: run ``script`` as ``__main__`` as the interpreter would (its stdout and stderr to ``log``,
+    an uncaught exception printed from the script's frames on, exit code 1)."""
+    _fresh_project_modules(root)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(cwd)
+    sys.argv = [script, *args]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException as exc:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:  # drop this harness's frames
+            tb = tb.tb_next
+        traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _losses(log: str) -> list[float]:
@@ -357,23 +416,19 @@ def reveal(directory) -> str:
     ])
 
 
-def _scenario_in_fork(root: str, manifest_args: tuple, conn) -> None:
-    """Forked child: forget the project's modules, import them again with ``root`` first on the path (so
-    ``model`` is the copy's), run the scenario, send its Outcome dict (or the error) back."""
-    for name in [m for m in sys.modules if m.split(".")[0] in ("model", "faults", "harness", "detectors")]:
-        del sys.modules[name]
-    sys.path.insert(0, root)
+def _scenario_in_fork(root: str, manifest_args: tuple, out: str) -> None:
+    """Forked child: the scenario on ``root``'s ``model``; its Outcome dict (or the error) written to ``out``."""
+    _fresh_project_modules(root)
     try:
         import torch
 
         from harness.scenario import run_scenario
 
         torch.set_num_threads(1)
-        conn.send({"outcome": json.loads(json.dumps(run_scenario(*manifest_args).to_dict(), default=str))})
+        result = {"outcome": run_scenario(*manifest_args).to_dict()}
     except BaseException:  # the copy does not even import: the check reports it
-        conn.send({"error": traceback.format_exc()[-3000:]})
-    finally:
-        conn.close()
+        result = {"error": traceback.format_exc()[-3000:]}
+    Path(out).write_text(json.dumps(result, default=str))
 
 
 def scenario_outcome(model_root: Path, manifest, timeout_s: float = 600.0) -> dict:
@@ -393,25 +448,14 @@ def scenario_outcome(model_root: Path, manifest, timeout_s: float = 600.0) -> di
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
         return json.loads(proc.stdout.strip().splitlines()[-1])
-    import torch._dynamo  # noqa: F401  (the first optimizer imports it lazily: 1.5 s in every child otherwise)
-
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # tokenizers' threads do not survive a fork
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_scenario_in_fork, args=(str(Path(model_root).resolve()), args, send), daemon=True)
-    child.start()
-    send.close()
-    try:
-        if not receive.poll(timeout_s):
+    with tempfile.TemporaryDirectory(prefix="faultbench-scenario-") as tmp:
+        out = Path(tmp) / "outcome.json"
+        code = _forked(_scenario_in_fork, (str(Path(model_root).resolve()), args, str(out)), timeout_s)
+        if code is None:
             raise RuntimeError(f"the scenario did not finish within {timeout_s:.0f} s (it hangs)")
-        result = receive.recv()
-    except EOFError:
-        child.join(5)
-        result = {"error": f"the scenario's process died (exit code {child.exitcode})"}
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join()
+        if not out.exists():
+            raise RuntimeError(f"the scenario's process died (exit code {code})")
+        result = json.loads(out.read_text())
     if "error" in result:
         raise RuntimeError(result["error"])
     return result["outcome"]
