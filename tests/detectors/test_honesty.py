@@ -9,8 +9,10 @@ from detectors.api import Detector, RunContext, all_detectors, register, resolve
 from faults.registry import all_faults
 from harness.case import Case, run_case
 
-DETECTORS_DIR = Path(__file__).resolve().parents[2] / "detectors"
-SOURCES = sorted(DETECTORS_DIR.glob("*.py"))
+ROOT = Path(__file__).resolve().parents[2]
+DETECTORS_DIR = ROOT / "detectors"
+# our detectors and the peer tools' detector adapters (the TrainCheck runner is not a detector: it runs cases)
+SOURCES = sorted(DETECTORS_DIR.glob("*.py")) + [ROOT / "peers" / f for f in ("torcheck_peer.py", "smdebug_peer.py")]
 # ways around the import rule: the module table, code swapping, the injection's env and line cache
 FORBIDDEN_TEXT = ("sys.modules", "__code__", "linecache", "FAULTBENCH_", "importlib.import_module(\"faults",
                   "__import__")
