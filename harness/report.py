@@ -54,7 +54,9 @@ def score_table(summary: dict, registry) -> list[str]:
 
 
 def target_lines(summary: dict) -> list[str]:
-    suite = summary["suite"] or {}
+    if summary["suite"] is None:  # e.g. a peer tool's run: the targets are the suite's
+        return ["No suite detector ran in this bench, so the suite's targets do not apply."]
+    suite = summary["suite"]
     lines = ["| target | goal | measured | met |", "|---|---|---|---|"]
     for key, (op, goal) in summary["targets"].items():
         value = suite.get(key)
