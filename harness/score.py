@@ -7,7 +7,8 @@ Definitions (per detector, and for the suite = the union of the non-baseline det
   the reciprocal rank (0 when none is acceptable or nothing was found). A subsystem is acceptable if it
   is the fault's or in its ``also_acceptable``; a seam if the fault replaces it;
 - latency: the step of the first finding with an acceptable subsystem minus the trigger step (the
-  checkpoint's step for on-resume faults, else 0);
+  checkpoint's step for on-resume faults, else 0), never below 0: an offline checker (TrainCheck) can pin
+  a violation on an event before the trigger, which is not an earlier detection;
 - overhead: train time / (train time - time spent in the passive detectors' step hooks), same run.
 """
 
@@ -46,7 +47,7 @@ def score_findings(findings: list[dict], fault: dict | None, trigger_step: int) 
         row[f"top1_{level}"] = rank == 1
         row[f"top3_{level}"] = rank is not None and rank <= 3
         row[f"rr_{level}"] = 1.0 / rank if rank else 0.0
-    row["latency"] = min(correct_steps) - trigger_step if correct_steps else None
+    row["latency"] = max(min(correct_steps) - trigger_step, 0) if correct_steps else None
     return row
 
 

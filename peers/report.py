@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.atomic import write_text
+from harness.score import SUITE, aggregate, exclusive_overhead
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ TOOLS = (
          "one process; the bench's ranks live in a worker pool), so their 5 faults count as missed. No model "
          "tracking: inference crashes on traces made with the sampler tracker (KeyError 'proxy_obj_names'), so "
          "every invariant is about API calls. The check is offline, after the run: a violation's step is that "
-         "of the event it names, which for a missing call can precede the trigger (a negative latency). One "
+         "of the event it names, which for a missing call can precede the trigger (scored as latency 0). One "
          "invariant is flaky on clean runs: 'GELU.forward() receives distinct arguments at each step' fired on one "
          "of two identical clean fp32 runs while the adapter was built, so its false-positive rate can read 1/9 "
          "on another run of the same cases."),
@@ -84,37 +85,19 @@ def read_rows(results: Path, tool: Tool) -> list[dict]:
         return [{k: _value(v) for k, v in row.items()} for row in csv.DictReader(f) if row["detector"] == tool.id]
 
 
-def _mean(values) -> float | None:
-    values = list(values)
-    return sum(values) / len(values) if values else None
-
-
-def plain_train_s(results: Path) -> dict[str, float]:
-    """Case name -> training seconds without any tool: the suite's run minus its step hooks."""
-    suite = TOOLS[0]
-    return {r["case"]: r["train_s"] - r["step_s"] for r in read_rows(results, suite) if r["train_s"]}
-
-
-def scores(rows: list[dict], plain: dict[str, float], is_suite: bool) -> dict:
-    faulty = [r for r in rows if r["fault"]]
-    clean = [r for r in rows if not r["fault"]]
-    # an offline check can attribute a violation to an event before the trigger: that is not earlier than 0
-    latencies = [max(r["latency"], 0) for r in faulty if r["latency"] is not None]
-    if is_suite:  # the suite shares the run: its cost is its step hooks' share of the step time
-        ratios = [r["train_s"] / (r["train_s"] - r["step_s"]) for r in rows if r["train_s"] > r["step_s"] > 0]
-    else:  # anomaly mode changes the run: its case against the same bench's suite case without the hooks
-        ratios = [r["train_s"] / plain[r["case"]] for r in rows
-                  if r["train_s"] and plain.get(r["case"]) and not r["crash"]]
-    return {
-        "fault_cases": len(faulty), "clean_cases": len(clean),
-        "unrun": sum(bool(r["error"]) and str(r["error"]).startswith("not run") for r in rows),
-        "detection": _mean(r["detected"] for r in faulty),
-        "false_positive": _mean(r["detected"] for r in clean),
-        "top1_subsystem": _mean(r["top1_subsystem"] for r in faulty),
-        "top1_seam": _mean(r["top1_seam"] for r in faulty),
-        "median_latency": statistics.median(latencies) if latencies else None,
-        "overhead": statistics.median(ratios) if ratios else None,
-    }
+def tool_scores(results: Path, tool: Tool, rows: list[dict]) -> dict:
+    """``harness.score.aggregate`` over the tool's rows, with its overhead always from one run: the suite's
+    from its hooks' share of the step time (aggregate's); an exclusive baseline of the bench against the same
+    bench's suite case (``exclusive_overhead``); a peer from its side-by-side measurement (peers/overhead.py)."""
+    scores = aggregate(rows, passive={})
+    if tool.id == SUITE:
+        return scores
+    if tool.csv == TOOLS[0].csv:
+        scores["overhead_ratio"] = exclusive_overhead(read_rows(results, TOOLS[0]) + rows, tool.id)
+    else:
+        measured = results / "peers" / tool.id / "overhead.json"
+        scores["overhead_ratio"] = json.loads(measured.read_text())["median_ratio"] if measured.exists() else None
+    return scores
 
 
 def per_fault(rows: list[dict]) -> dict[str, dict]:
@@ -129,8 +112,8 @@ def per_fault(rows: list[dict]) -> dict[str, dict]:
         e["detected"] += bool(r["detected"])
         e["sub"] += bool(r["top1_subsystem"])
         e["seam"] += bool(r["top1_seam"])
-        if r["latency"] is not None:  # as in scores(): never before the trigger
-            e["latencies"].append(max(r["latency"], 0))
+        if r["latency"] is not None:
+            e["latencies"].append(r["latency"])
     return out
 
 
@@ -159,7 +142,6 @@ def beats(peer: dict[str, dict], ours: dict[str, dict]) -> list[str]:
 
 
 def render(results: Path) -> str:
-    plain = plain_train_s(results)
     table = {t.id: read_rows(results, t) for t in TOOLS}
     ran = [t for t in TOOLS if table[t.id]]
     missing = [t for t in TOOLS if not table[t.id]]
@@ -175,16 +157,12 @@ def render(results: Path) -> str:
         "median latency (steps) | overhead (x step time) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    summary = {t.id: scores(table[t.id], plain, t.id == "suite") for t in ran}
-    for t in ran:  # a peer's own side-by-side measurement (peers/overhead.py), never times from another run
-        measured = results / "peers" / t.id / "overhead.json"
-        if t.csv.startswith("peers/"):
-            summary[t.id]["overhead"] = json.loads(measured.read_text())["median_ratio"] if measured.exists() else None
+    summary = {t.id: tool_scores(results, t, table[t.id]) for t in ran}
     for t in ran:
         s = summary[t.id]
-        lines.append(f"| {t.name} | {s['fault_cases']} | {s['clean_cases']} | {_fmt(s['detection'])} | "
-                     f"{_fmt(s['false_positive'])} | {_fmt(s['top1_subsystem'])} | {_fmt(s['top1_seam'])} | "
-                     f"{_fmt(s['median_latency'])} | {_fmt(s['overhead'], 2)} |")
+        lines.append(f"| {t.name} | {s['fault_cases']} | {s['clean_cases']} | {_fmt(s['detection_rate'])} | "
+                     f"{_fmt(s['false_positive_rate'])} | {_fmt(s['top1_subsystem'])} | {_fmt(s['top1_seam'])} | "
+                     f"{_fmt(s['median_latency_steps'])} | {_fmt(s['overhead_ratio'], 2)} |")
     lines += ["", "Overhead, always from one run: our suite shares the run, so its figure is the step time with its "
               "hooks over the step time without them (the bench's accounting; `make perf` measures it end to end); "
               "anomaly mode's is its case's training time over the same bench's suite case without the hooks; each "

@@ -41,6 +41,9 @@ def test_latency_counts_from_the_checkpoint_step_for_on_resume_faults():
               "step_seconds": {"d": 0.01}, "other_seconds": {}, "detector_errors": {}}
     (row,) = case_rows(record, {"f": fault}, suite_ids=[])
     assert row["latency"] == 0
+    # a finding pinned on an event before the trigger (an offline checker's attribution) is not earlier than it
+    (row,) = case_rows({**record, "findings": [finding("collate", step=0)]}, {"f": fault}, suite_ids=[])
+    assert row["latency"] == 0
 
 
 def test_aggregate_separates_clean_and_faulty_cases_and_measures_overhead():

@@ -3,7 +3,7 @@
 import json
 
 from harness.report import write_csv
-from peers.report import beats, per_fault, render, scores
+from peers.report import TOOLS, beats, per_fault, render, tool_scores
 
 
 def _row(detector, fault, seed, detected, sub=False, seam=False, latency=None, train_s=1.0, step_s=0.0, error=""):
@@ -19,14 +19,15 @@ def test_a_peer_that_finds_what_the_suite_misses_is_credited(tmp_path):
     suite = [_row("suite", "a", s, True, True, True, 0, 1.1, 0.1) for s in (0, 1)]
     suite += [_row("suite", "b", s, False) for s in (0, 1)] + [_row("suite", "", 0, False, train_s=1.1, step_s=0.1)]
     write_csv(tmp_path / "bench.csv", suite)
-    peer = [_row("torcheck", "b", 0, True, True, False, -3), _row("torcheck", "b", 1, False),
+    peer = [_row("torcheck", "b", 0, True, True, False, 0), _row("torcheck", "b", 1, False),
             _row("torcheck", "a", 0, False), _row("torcheck", "", 0, True)]
     write_csv(tmp_path / "peers" / "torcheck" / "bench.csv", peer)
     (tmp_path / "peers" / "torcheck" / "overhead.json").write_text(json.dumps({"median_ratio": 1.5}))
 
-    s = scores(peer, {}, is_suite=False)
-    assert (s["detection"], s["false_positive"], s["top1_subsystem"]) == (1 / 3, 1.0, 1 / 3)
-    assert per_fault(peer)["b"]["latencies"] == [0]  # an offline check naming an event before the trigger
+    torcheck = next(t for t in TOOLS if t.id == "torcheck")
+    s = tool_scores(tmp_path, torcheck, peer)
+    assert (s["detection_rate"], s["false_positive_rate"], s["top1_subsystem"]) == (1 / 3, 1.0, 1 / 3)
+    assert s["overhead_ratio"] == 1.5  # its side-by-side measurement, not times from another run
     won = beats(per_fault(peer), per_fault(suite))
     assert won == ["`b`: detected on 1/2 seeds vs our 0/2; right subsystem first on 1/2 seeds vs our 0/2"]
 
