@@ -247,7 +247,6 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
         capture = StepCapture(Path(capture_dir), rank)
     try:
         ctx.run = build_run(cfg, rank)
-        out["build_s"] = time.perf_counter() - start
         suite = Suite(case.detectors, ctx)
         handles = _attach(suite, ctx.run)
         suite.fire("on_start")
@@ -268,10 +267,8 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
         if capture is not None:
             capture.state(ctx.run)  # what the evaluation and the end-of-run probes saw
         ctx.phase = "eval"
-        eval_start = time.perf_counter()
         out["val_loss"] = evaluate(ctx.run.model, ctx.run.corpus.val[:EVAL_DOCS], ctx.run.tokenizer.pad_id,
                                    cfg.train.eval_batch_size, cfg.train.precision, cfg.data.pad_side)
-        out["eval_s"] = time.perf_counter() - eval_start
         suite.fire("on_end", {"val_loss": out["val_loss"]})
     except Exception as exc:  # the crash is the outcome
         out["crash"] = crash_record(exc, ctx.run.step if ctx.run is not None else None)

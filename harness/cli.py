@@ -148,16 +148,13 @@ def _run(args) -> int:
 def _run_detectors(args) -> int:
     """The fault in its bench recipe with the detectors: the ranked findings with their evidence, and the
     repro bundle of the top finding."""
-    from faults.registry import get_fault
-    from harness.detect import describe_findings, detect
+    from harness.bundle import bundle_name
+    from harness.detect import case_recipe, describe_findings, detect
 
     bundle = None
     if not args.no_bundle:
-        from harness.bundle import bundle_name
-        from harness.case import recipe_for
-
-        recipe = args.recipe or recipe_for(get_fault(args.fault[0]).manifest)
-        bundle = args.bundle or f"bundles/{bundle_name({'faults': args.fault, 'recipe': recipe, 'seed': args.seed})}"
+        case = {"faults": args.fault, "recipe": case_recipe(args.fault, args.recipe), "seed": args.seed}
+        bundle = args.bundle or f"bundles/{bundle_name(case)}"
     record = detect(tuple(args.fault), args.seed, tuple(args.detectors), args.recipe, tuple(args.plugin or ()),
                     bundle=bundle, command=args.command_line)
     text = describe_findings(record)

@@ -16,22 +16,31 @@ def detector_groups(ids) -> list[tuple[str, ...]]:
     return ([shared] if shared else []) + [(d,) for d in ids if registry[d].exclusive]
 
 
-def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None = None, plugins=(),
-           bundle=None, command=()) -> dict:
-    """Run the faults (none: clean) in their recipe with the detectors; the case record, with the findings
-    of exclusive detectors (run in their own cases) merged into its ranked list. With ``bundle`` (a folder)
-    and a finding, the repro bundle of the top finding is written there (``record["bundle"]``)."""
-    from faults.registry import get_fault, load_plugin
-    from harness.bundle import write_bundle
-    from harness.golden import load_golden
+def case_recipe(fault_ids, recipe: str | None = None) -> str:
+    """The recipe the faults run in: ``recipe`` if given (checked), else the first fault's, else fp32. An
+    unknown fault id raises here, with its "did you mean"."""
+    from faults.registry import get_fault
 
-    for plugin in plugins:
-        load_plugin(plugin)
     specs = [get_fault(f) for f in fault_ids]
     if recipe is None:
         recipe = recipe_for(specs[0].manifest) if specs else "fp32"
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
+    return recipe
+
+
+def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None = None, plugins=(),
+           bundle=None, command=()) -> dict:
+    """Run the faults (none: clean) in their recipe with the detectors; the case record, with the findings
+    of exclusive detectors (run in their own cases) merged into its ranked list. With ``bundle`` (a folder)
+    and a finding, the repro bundle of the top finding is written there (``record["bundle"]``)."""
+    from faults.registry import load_plugin
+    from harness.bundle import write_bundle
+    from harness.golden import load_golden
+
+    for plugin in plugins:
+        load_plugin(plugin)
+    recipe = case_recipe(fault_ids, recipe)
     cases = [Case(recipe, seed, tuple(fault_ids), group, tuple(plugins)) for group in
              detector_groups(resolve_ids(detectors))]
     pool = None

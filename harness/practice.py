@@ -36,6 +36,7 @@ from harness.atomic import write_text
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 DIFFICULTIES = ("easy", "medium", "hard")
+TRAIN_TIMEOUT_S = 600.0  # a colleague's train.py run that takes longer hangs
 # how hard a trigger is to reproduce, and a symptom to trace back to its cause
 _TRIGGER_COST = {"always": 0, "amp-only": 1, "eval-only": 1, "after-step": 1, "rare-batch": 2, "on-resume": 2,
                  "multi-rank": 2}
@@ -211,6 +212,17 @@ def _reference_cached(kind: str, key: dict, sources: tuple[str, ...], compute):
     return value
 
 
+def _fresh_interpreter(argv: list[str], cwd, pythonpath: str, timeout_s: float):
+    """``python argv`` in a new interpreter with ``pythonpath`` first: the CompletedProcess (text), None if it
+    outlived the timeout."""
+    env = {**os.environ, "PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _run_train(script: Path, cwd: Path, args: list[str], pythonpath: Path) -> tuple[str, int]:
     """``python script args`` in ``cwd`` with ``pythonpath`` first: its output and exit code (-1: it hung).
     One process runs in a child forked from this warm one (the script run as ``__main__`` with the project's
@@ -218,16 +230,14 @@ def _run_train(script: Path, cwd: Path, args: list[str], pythonpath: Path) -> tu
     if "--world-size" not in args or args[args.index("--world-size") + 1] == "1":
         with tempfile.TemporaryDirectory(prefix="faultbench-train-") as tmp:
             log = Path(tmp) / "log"
-            code = _forked(_script_in_fork, (str(script), str(cwd), args, str(pythonpath), str(log)), 600.0)
-            return (log.read_text(errors="replace") if code is not None
-                    else "the run did not finish within 600 s (it hangs)\n"), -1 if code is None else code
-    env = {**os.environ, "PYTHONPATH": str(pythonpath), "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return "the run did not finish within 600 s (it hangs)\n", -1
-    return proc.stdout + proc.stderr, proc.returncode
+            code = _forked(_script_in_fork, (str(script), str(cwd), args, str(pythonpath), str(log)), TRAIN_TIMEOUT_S)
+            if code is not None:
+                return log.read_text(errors="replace"), code
+    else:
+        proc = _fresh_interpreter([str(script), *args], cwd, str(pythonpath), TRAIN_TIMEOUT_S)
+        if proc is not None:
+            return proc.stdout + proc.stderr, proc.returncode
+    return f"the run did not finish within {TRAIN_TIMEOUT_S:.0f} s (it hangs)\n", -1
 
 
 def _fresh_project_modules(root: str) -> None:
@@ -441,10 +451,10 @@ def scenario_outcome(model_root: Path, manifest, timeout_s: float = 600.0) -> di
     interpreter, whose rank processes must import the copy too."""
     args = (manifest.scenario, manifest.variant, manifest.steps, manifest.seeds[0])
     if manifest.scenario.startswith("ddp"):
-        env = {**os.environ, "PYTHONPATH": f"{model_root}{os.pathsep}{ROOT}", "TOKENIZERS_PARALLELISM": "false"}
-        proc = subprocess.run([sys.executable, "-m", "harness.scenario", args[0], str(args[2]), str(args[3]),
-                               json.dumps(args[1])], cwd=model_root, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = _fresh_interpreter(["-m", "harness.scenario", args[0], str(args[2]), str(args[3]), json.dumps(args[1])],
+                                  model_root, f"{model_root}{os.pathsep}{ROOT}", timeout_s)
+        if proc is None:
+            raise RuntimeError(f"the scenario did not finish within {timeout_s:.0f} s (it hangs)")
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
         return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -194,6 +194,11 @@ def rule_classes() -> dict:
                     out[name] = np.asarray(tensor.value(step), dtype=np.float64)
             return out
 
+        def window(self, name: str, step: int, length: int) -> list[int] | None:
+            """The last ``length`` saved steps of ``name`` ending at ``step`` (None: too few saved yet)."""
+            steps = [s for s in self.base_trial.tensor(name).steps() if s <= step][-length:]
+            return steps if len(steps) == length and steps[-1] == step else None
+
         def verdict(self, step: int, names: list[str]) -> bool:
             if names:
                 self.fired[step] = names
@@ -221,26 +226,17 @@ def rule_classes() -> dict:
         collections = ("weights",)
 
         def invoke_at_step(self, step):
-            names = []
-            for name in self.names():
-                steps = [s for s in self.base_trial.tensor(name).steps() if s <= step][-UNCHANGED_NUM_STEPS:]
-                if len(steps) == UNCHANGED_NUM_STEPS and steps[-1] == step:
-                    if unchanged([self.base_trial.tensor(name).value(s) for s in steps]):
-                        names.append(name)
-            return self.verdict(step, names)
+            windows = {name: self.window(name, step, UNCHANGED_NUM_STEPS) for name in self.names()}
+            return self.verdict(step, [name for name, steps in windows.items() if steps and unchanged(
+                [self.base_trial.tensor(name).value(s) for s in steps])])
 
     class WeightUpdateRatio(_Rule):
         collections = ("weights",)
 
         def invoke_at_step(self, step):
-            names = []
-            for name in self.names():
-                tensor = self.base_trial.tensor(name)
-                steps = [s for s in tensor.steps() if s <= step][-2:]
-                if len(steps) == 2 and steps[-1] == step:
-                    if ratio_out_of_range(update_ratio(tensor.value(steps[0]), tensor.value(step))):
-                        names.append(name)
-            return self.verdict(step, names)
+            windows = {name: self.window(name, step, 2) for name in self.names()}
+            return self.verdict(step, [name for name, steps in windows.items() if steps and ratio_out_of_range(
+                update_ratio(*(self.base_trial.tensor(name).value(s) for s in steps)))])
 
     class LossNotDecreasing(_Rule):
         collections = ("losses",)

@@ -19,6 +19,7 @@ from peers.smdebug_peer import (
     update_ratio,
     vanishing,
 )
+from tests.peers.helpers import run_with_peer
 
 
 def test_the_detector_is_an_exclusive_baseline():
@@ -130,17 +131,11 @@ def test_smdebug_steps_map_to_the_optimizer_step_of_their_window():
     assert det.step_of(-1) is None
 
 
-def _run(faults: tuple[str, ...]) -> dict:
-    from harness.case import Case, run_case
-
-    return run_case(Case("fp32", 0, faults, ("smdebug",), ("peers.smdebug_peer",)))
-
-
 def test_end_to_end_a_step_that_changes_nothing_is_found_and_a_clean_run_is_silent():
     pytest.importorskip("smdebug")
-    faulty = _run(("zero_grad_between_backward_and_step",))
+    faulty = run_with_peer("smdebug", ("zero_grad_between_backward_and_step",))
     assert not faulty["detector_errors"]
     assert faulty["findings"] and faulty["findings"][0]["subsystem"] == "optimizer"
     assert {f["evidence"]["rule"] for f in faulty["findings"]} >= {"WeightUpdateRatio", "UnchangedTensor"}
-    clean = _run(())
+    clean = run_with_peer("smdebug", ())
     assert clean["crash"] is None and not clean["detector_errors"] and clean["findings"] == []

@@ -6,6 +6,7 @@ import pytest
 from torch import nn
 
 from peers.torcheck_peer import MAPPING, Issue, Torcheck, findings_for, module_seam, parse_issues, shared_seam
+from tests.peers.helpers import run_with_peer
 
 
 def test_the_detector_is_an_exclusive_baseline():
@@ -103,17 +104,11 @@ def test_nonfinite_parameters_name_no_seam():
     assert [f["subsystem"] for f in findings_for(issues, 3, "bf16", NET, SEAMS)][0] == "precision"
 
 
-def _run(faults: tuple[str, ...]) -> dict:
-    from harness.case import Case, run_case
-
-    return run_case(Case("fp32", 0, faults, ("torcheck",), ("peers.torcheck_peer",)))
-
-
 def test_end_to_end_a_step_that_changes_nothing_is_found_and_a_clean_run_is_silent():
     pytest.importorskip("torcheck")
-    faulty = _run(("zero_grad_between_backward_and_step",))
+    faulty = run_with_peer("torcheck", ("zero_grad_between_backward_and_step",))
     assert not faulty["detector_errors"]
     assert faulty["findings"] and faulty["findings"][0]["subsystem"] == "optimizer"
     assert faulty["findings"][0]["step"] == 0
-    clean = _run(())
+    clean = run_with_peer("torcheck", ())
     assert clean["crash"] is None and not clean["detector_errors"] and clean["findings"] == []
