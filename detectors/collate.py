@@ -1,8 +1,9 @@
 """Collate detectors: the run's ``collate`` probed with crafted documents against its documented contract.
 
 The contract (``model.data.collate``'s docstring and the data conventions): a dict of (B, T) int64
-tensors with T = the longest document; ``input_ids`` hold each document at the padding side's edge and
-``pad_id`` elsewhere; ``attention_mask`` is 1 exactly on real tokens (also when nothing is padded);
+tensors with T at least the longest document (padding to a fixed length is a legitimate design);
+``input_ids`` hold each document, in order, at the padding side's edge and ``pad_id`` elsewhere;
+``attention_mask`` is 1 exactly on real tokens (also when nothing is padded);
 ``labels`` equal the input ids on real tokens after BOS and carry one ignore value, outside the
 vocabulary, on BOS and on every pad; ``position_ids`` count 0, 1, ... from each row's first real token.
 The probe runs at start on a padded batch and an unpadded one, with both padding sides, so the bugs
@@ -72,10 +73,9 @@ def collate_violations(collate, docs: list[list[int]], pad_id: int, side: str, v
     if not widths:
         return out
     width = widths.pop()[1]
-    if width != T:
-        add("width", f"padded to T={width}, not to the longest document ({T})")
-        if width < T:
-            return out
+    if width < T:
+        add("width", f"padded to T={width}, shorter than the longest document ({T}): tokens are lost")
+        return out
     ignore_values: set[int] = set()
     for row, ids in enumerate(docs):
         n = len(ids)
@@ -125,7 +125,7 @@ class CollateContract(Detector):
     family = "collate"
     passive = False
     description = ("the run's collate on crafted documents (mixed lengths, unpadded, single; both pad sides): "
-                   "(B, T) int64, T = longest, mask 1 on real tokens, labels aligned with ignore on BOS/pads, "
+                   "(B, T) int64, T >= longest, mask 1 on real tokens, labels aligned with ignore on BOS/pads, "
                    "positions 0..n-1")
 
     def on_start(self, ctx) -> None:

@@ -12,7 +12,7 @@ asynchronous reduction per sampled step) and probe the reduction itself on a cra
   after a checkpoint load), and the ranks' batches differ (a digest);
 - ``rank_data_distinct``: the sampler's per-rank slices of a global batch are disjoint and make it up;
 - ``rank_grad_norm_agreement``: the logged pre-clip gradient norm is that of the whole gradient
-  (the same on every rank), not of the rank's optimizer shard.
+  (the same on every rank): the gradient the optimizer receives has norm min(logged, clip).
 Collectives are issued identically on every rank: only on conditions every rank shares (world size,
 step index), never on a rank-local value, and outside code that may raise, so a rank cannot hang.
 """
@@ -431,7 +431,7 @@ class RankGradNormAgreement(_Guarded):
 
     def __init__(self) -> None:
         super().__init__()
-        self._seen: tuple[int, float, float | None] | None = None  # (step, full norm, shard norm) at the step
+        self._seen: tuple[int, float] | None = None  # (step, the whole gradient's norm) before the step
         self._reported = False
 
     def on_before_step(self, ctx: RunContext) -> None:
@@ -440,12 +440,7 @@ class RankGradNormAgreement(_Guarded):
 
     @staticmethod
     def _norms(ctx: RunContext):
-        full = float(_norms([p.grad for p in ctx.run.model.parameters()]).norm())
-        local = getattr(ctx.run.optimizer, "optim", None)  # ZeRO: this rank's shard of the parameters
-        shard = None
-        if local is not None:
-            shard = float(_norms([p.grad for g in local.param_groups for p in g["params"]]).norm())
-        return ctx.step, full, shard
+        return ctx.step, float(_norms([p.grad for p in ctx.run.model.parameters()]).norm())
 
     def on_after_step(self, ctx: RunContext, record) -> None:
         # local only (no collective): the contract holds on each rank by itself
@@ -453,7 +448,7 @@ class RankGradNormAgreement(_Guarded):
         logged = float(record.grad_norm)
         if self._reported or seen is None or seen[0] != record.step or not math.isfinite(logged):
             return
-        step, full, shard = seen
+        step, full = seen
         clip = ctx.config.train.grad_clip
         expected = min(logged, clip) if clip > 0 else logged  # the whole gradient's norm after clipping
 
@@ -465,13 +460,6 @@ class RankGradNormAgreement(_Guarded):
         evidence = {"logged_grad_norm": logged, "clip": clip, "norm_after_clip": full, "expected_after_clip": expected,
                     "rank": ctx.run.rank}
         self._reported = True
-        if shard is not None and close(shard, expected):
-            evidence["shard_norm_after_clip"] = shard
-            self.report(ctx, "distributed", CLIP, f"at step {step} the logged grad norm {logged:.4g} is the norm of "
-                        "this rank's optimizer shard only (ZeRO), not of the whole all-reduced gradient: each rank "
-                        "clips with its own local norm, so ranks clip (and log) differently",
-                        evidence=evidence, confidence=0.85, step=step)
-        else:
-            self.report(ctx, "optimizer", CLIP, f"at step {step} the logged grad norm {logged:.4g} does not match the "
-                        f"gradient the optimizer receives (norm {full:.4g} after clipping to {clip:g})",
-                        evidence=evidence, confidence=0.7, step=step)
+        self.report(ctx, ctx.seams.get(CLIP, "optimizer"), CLIP, f"at step {step} the logged grad norm {logged:.4g} "
+                    f"does not match the whole gradient the optimizer receives (norm {full:.4g} after clipping to "
+                    f"{clip:g})", evidence=evidence, confidence=0.7, step=step)

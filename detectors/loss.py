@@ -192,29 +192,39 @@ def _forward_loss_problems(ctx) -> dict | None:
             evidence[prec] = {"forward_loss": [got[n], got[3 * n]], "lm_loss_of_logits": [want[n], want[3 * n]]}
             rel = 1e-4 if prec == "fp32" else 1e-3
             if not probes.close(got[n], want[n], rel):
-                diag = ""
-                shifted = torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], ignore)], 1)
-                if probes.close(got[n], float(lm_loss(logits, shifted, n)), rel):
-                    diag = ": it equals lm_loss of the labels shifted once more (each position scored on token t+2)"
-                else:
-                    for perm_name, order in (("reversed", torch.arange(logits.size(0) - 1, -1, -1)),
-                                             ("sorted longest first",
-                                              batch["attention_mask"].sum(1).argsort(descending=True).cpu())):
-                        if probes.close(got[n], float(lm_loss(logits[order], batch["labels"], n)), rel):
-                            diag = (f": it equals lm_loss of the model's rows {perm_name} against the labels in the "
-                                    "original order (inputs and labels no longer line up)")
-                            break
                 problems[prec] = (f"forward_loss = {got[n]:.6g} but lm_loss of the model's logits for the same batch "
-                                  f"= {want[n]:.6g} (num_targets={n}){diag}")
+                                  f"= {want[n]:.6g} (num_targets={n})"
+                                  f"{_row_diagnosis(forward_loss, model, batch, n, prec, got[n], rel)}")
             elif not probes.close(got[3 * n] * 3, got[n], rel):
-                own = float(lm_loss(logits, batch["labels"]))
-                diag = (": it ignores num_targets and normalizes each micro-batch by its own target count"
-                        if probes.close(got[3 * n], own, rel) else "")
                 problems[prec] = (f"forward_loss does not scale as 1/num_targets: {got[n]:.5g} at {n}, "
-                                  f"{got[3 * n]:.5g} at {3 * n} (expected {got[n] / 3:.5g}){diag}")
+                                  f"{got[3 * n]:.5g} at {3 * n} (expected {got[n] / 3:.5g})")
             if problems:
                 break
     return {"problems": problems, "evidence": evidence}
+
+
+def _row_diagnosis(forward_loss, model, batch: dict, n: int, prec: str, got: float, rel: float) -> str:
+    """': ...' when forward_loss of the batch (``got``) is not the sum of its rows' losses, each row scored
+    alone with the same ``num_targets`` (a token-sum loss is additive over rows), or changes when the
+    rows are reordered at random; '' otherwise."""
+    rows = batch["input_ids"].shape[0]
+
+    def pick(index) -> dict:
+        return {k: (v[index] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v)
+                for k, v in batch.items()}
+
+    try:
+        alone = sum(float(forward_loss(model, pick(slice(r, r + 1)), n, prec)) for r in range(rows))
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(5)).to(batch["input_ids"].device)
+        shuffled = float(forward_loss(model, pick(order), n, prec))
+    except Exception:  # noqa: BLE001 - the mismatch itself is the finding
+        return ""
+    if not probes.close(alone, got, rel):
+        return (f": the batch's loss is not the sum of its rows' losses scored alone ({alone:.6g}): rows are not "
+                "scored independently (inputs, logits and labels of different rows no longer line up)")
+    if not probes.close(shuffled, got, rel):
+        return f": it changes when the batch's rows are reordered ({shuffled:.6g})"
+    return ""
 
 
 # -------------------------------------------------------------------------------------------- detectors
@@ -331,7 +341,7 @@ class LogitGradScale(Detector):
             logits = self._logits[index] if index < len(self._logits) else None
             if finite or (scale > 1 and logits is not None and bool(torch.isfinite(logits).all())):
                 # (non-finite gradients of non-finite logits are a forward problem: nonfinite_origin's business)
-                self._report_scale(ctx, ratio, finite, scale, evidence)
+                self._report_scale(ctx, ratio, finite, evidence)
         # rows whose next label is ignored (and the last column) must get no gradient
         if finite and ctx.step < 2 and index < len(self._labels) and "ignored" not in self._reported:
             labels = self._labels[index]
@@ -350,7 +360,7 @@ class LogitGradScale(Detector):
                                 "the last column) receive a gradient in the logits",
                                 {**evidence, "max_leak_l1": float(leak.abs().max())}, confidence=0.5)
 
-    def _report_scale(self, ctx, ratio, finite, scale, evidence) -> None:
+    def _report_scale(self, ctx, ratio, finite, evidence) -> None:
         lm = lm_loss_problems(ctx)
         fl = forward_loss_problems(ctx)
         if lm is None or fl is None or lm["problems"] or fl["problems"]:
@@ -358,15 +368,10 @@ class LogitGradScale(Detector):
         what = (f"d(loss)/d(logits) is {ratio:.3g}x the largest value a token-mean loss allows"
                 if finite else "d(loss)/d(logits) overflows to inf/NaN although a token-mean loss bounds it by "
                                f"{evidence['bound_2scale_over_N']:.3g}")
-        if scale > 1 and (not finite or 0.5 * scale <= ratio <= 2 * scale):
-            self.report(ctx, "precision", TRAIN_STEP,
-                        f"{what}; lm_loss and forward_loss honour their contracts and the excess matches the loss "
-                        f"scale {scale:g}: the training step scales the loss more than once", evidence, confidence=0.8)
-        else:
-            self.report(ctx, "optimizer", TRAIN_STEP,
-                        f"{what}; lm_loss and forward_loss honour their contracts, so the extra factor enters in the "
-                        "training step (how it normalizes or scales the micro-batch losses)", evidence,
-                        confidence=0.75 if finite else 0.6)
+        self.report(ctx, ctx.seams.get(TRAIN_STEP, "optimizer"), TRAIN_STEP,
+                    f"{what}; lm_loss and forward_loss honour their contracts, so the extra factor enters in the "
+                    "training step (how it normalizes or scales the micro-batch losses)", evidence,
+                    confidence=0.75 if finite else 0.6)
 
 
 @register

@@ -3,11 +3,12 @@
 Three probes, all at ``on_start`` on crafted inputs (no training step needed):
 - ``mask_contract`` calls the run's ``build_attention_mask`` directly (left padding, a cached decode
   step, a prefill chunk; float32, bfloat16, float16) and also captures the mask the attention
-  modules actually receive, and checks the documented contract: shape (B, 1, T_q, T_k), 0 where a
-  query may attend (causal and key real, plus itself), a finite very negative value elsewhere.
+  modules actually receive, and checks what the mask does: shape (B, 1, T_q, T_k); added to scores in
+  the compute dtype it gives finite softmax rows (every query attends to some key), and each real
+  query attends to exactly the keys causality and padding allow.
 - ``causality_probe`` perturbs the tokens after position t and checks that the logits at <= t do not
   move, on the mask-free fast path (no padding: the mask builder returns None) and on the explicit
-  mask path (left padding); which path leaks, and whether the mask is right, localizes the cause.
+  mask path (left padding); whether the mask and attend keep their contracts localizes the cause.
 - ``padding_invariance`` scores each document alone and inside a left- and a right-padded batch: the
   logits of its real tokens must not depend on the padding its batch needed.
 
@@ -22,6 +23,7 @@ import torch
 
 from detectors import probes
 from detectors.api import Detector, register
+from detectors.probes import attend_diagnosis
 
 BUILD_MASK = "model.attention.build_attention_mask"
 ATTEND = "model.attention.attend"
@@ -37,7 +39,6 @@ CONTRACT_CASES = (
     ([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], 6, "right-padded prefill (None allowed)"),
 )
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BLOCKED_MAX = -1e3  # a forbidden entry must hold a very negative value: anything above this lets it through
 LEAK_TOL = 1e-4  # fp32 probes: a causal model's early logits move by ~1e-7 when later tokens change
 
 
@@ -46,7 +47,10 @@ def is_right_padded(attention_mask: torch.Tensor) -> bool:
 
 
 def mask_problems(mask, attention_mask: torch.Tensor, query_len: int, dtype: torch.dtype) -> list[str]:
-    """What is wrong with ``mask`` as the additive mask of ``attention_mask`` for ``query_len`` queries."""
+    """What is wrong with ``mask`` as the additive mask of ``attention_mask`` for ``query_len`` queries, judged
+    by what it does: added to random scores in ``dtype`` (the model's compute dtype), every softmax row
+    must be finite (each query attends to at least one key), and a real query's softmax must be the
+    softmax over exactly the keys causality and padding allow (what a pad query sees is free)."""
     batch, key_len = attention_mask.shape
     if mask is None:
         if query_len == key_len and is_right_padded(attention_mask):
@@ -63,25 +67,27 @@ def mask_problems(mask, attention_mask: torch.Tensor, query_len: int, dtype: tor
             return problems
     if mask.dtype != dtype:
         problems.append(f"dtype {mask.dtype}, expected {dtype}")
-    values = mask[:, 0].double()
-    if not bool(torch.isfinite(values).all()):
-        problems.append(f"holds -inf/NaN in {dtype} (the constant must be finite in the compute dtype)")
+    gen = torch.Generator().manual_seed(3)
+    scores = (3 * torch.randn(batch, query_len, key_len, generator=gen)).to(device=mask.device, dtype=dtype)
+    probs = (scores + mask[:, 0].to(dtype)).float().softmax(-1)  # (B, T_q, T_k)
+    finite = torch.isfinite(probs).all(-1)
+    if not bool(finite.all()):
+        problems.append(f"{int((~finite).sum())} query rows softmax to NaN/inf in {str(dtype).replace('torch.', '')} "
+                        "(a query left with no key, or a constant that is not finite in the compute dtype)")
     allowed = probes.allowed_attention(attention_mask, query_len)
-    let_through = values > BLOCKED_MAX
-    query_pos = torch.arange(key_len - query_len, key_len, device=values.device)[:, None]
-    key_pos = torch.arange(key_len, device=values.device)[None, :]
-    future = let_through & ~allowed & (key_pos > query_pos)
-    pad_keys = let_through & ~allowed & (key_pos < query_pos)
-    blocked = allowed & (values != 0)
-    if future.any():
-        problems.append(f"lets {int(future.sum())} queries see later keys (the causal part is wrong)")
-    if pad_keys.any():
-        problems.append(f"lets {int(pad_keys.sum())} real-token queries see pad keys (the padding part is missing "
-                        "or on the wrong axis)")
-    if blocked.any():
-        selfish = blocked & (key_pos == query_pos)
-        what = " (including a query's own key: a pad query's row is fully masked)" if selfish.any() else ""
-        problems.append(f"blocks {int(blocked.sum())} entries the contract allows{what}")
+    want = scores.float().masked_fill(~allowed, float("-inf")).softmax(-1)
+    real_query = attention_mask.bool()[:, key_len - query_len:]  # (B, T_q)
+    gap = (probs - want).abs().amax(-1)  # (B, T_q); NaN where not finite
+    wrong = real_query & finite & (gap > 1e-3)
+    if wrong.any():
+        leaked = (probs > 1e-4) & ~allowed & wrong[..., None]
+        dropped = (probs < want * 0.5) & allowed & wrong[..., None]
+        key_pos = torch.arange(key_len, device=mask.device)
+        query_pos = key_pos[key_len - query_len:, None]
+        future = leaked & (key_pos > query_pos)
+        problems.append(f"{int(wrong.sum())} real queries do not attend to exactly the keys causality and padding "
+                        f"allow ({int(future.sum())} see later keys, {int((leaked & ~future).sum())} see pad keys, "
+                        f"{int(dropped.sum())} allowed keys suppressed)")
     return problems
 
 
@@ -120,36 +126,6 @@ class capture_masks:
         for h in self.handles:
             h.remove()
         return False
-
-
-def attend_problems(fn, device) -> dict[str, str]:
-    """The run's attend against softmax(q k^T / sqrt(hs) + mask) v on random inputs: {"none": ...} when
-    the mask-free path (attn_mask=None, plain causal) is wrong, {"explicit": ...} when an explicit
-    left-padding mask is applied wrongly; {} when both agree."""
-    gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(2, 2, 6, 8, generator=gen).to(device) for _ in range(3))
-    causal = torch.ones(6, 6, dtype=torch.bool, device=device).tril()
-    neg = torch.finfo(torch.float32).min
-    causal_add = torch.zeros(6, 6, device=device).masked_fill(~causal, neg)[None, None]
-    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], device=device)
-    allowed = probes.allowed_attention(attention_mask, 6)[:, None]
-    explicit = torch.zeros(2, 1, 6, 6, device=device).masked_fill(~allowed, neg)
-    problems = {}
-    for name, mask, additive in (("none", None, causal_add), ("explicit", explicit, explicit)):
-        try:
-            out = fn(q, k, v, mask, 0.0)
-        except Exception as exc:
-            problems[name] = f"raised {type(exc).__name__}: {str(exc)[:120]}"
-            continue
-        ref = probes.softmax_attention(q, k, v, additive)
-        if tuple(out.shape) != tuple(ref.shape) or not torch.allclose(out.double(), ref, atol=1e-4, rtol=1e-4):
-            problems[name] = "differs from softmax(q k^T / sqrt(hs) + mask) v"
-    return problems
-
-
-def attend_subsystem(problems: dict[str, str]) -> str:
-    """Only the mask-free path wrong: attention without a mask is not causal (mask); else the math (model)."""
-    return "mask" if set(problems) == {"none"} else "model"
 
 
 def positions_problem(fn, device) -> str | None:
@@ -208,8 +184,8 @@ class MaskContract(Detector):
     family = "mask"
     passive = False
     description = ("build_attention_mask on crafted left-padded / cached masks in fp32, bf16, fp16 (and the mask the "
-                   "attention modules receive) against its contract: (B,1,Tq,Tk), 0 allowed, finite very negative "
-                   "blocked")
+                   "attention modules receive): (B,1,Tq,Tk), finite softmax rows in the compute dtype, real queries "
+                   "attend to exactly the causal real keys")
 
     def on_start(self, ctx) -> None:
         device = probes.device(ctx)
@@ -354,16 +330,14 @@ class CausalityProbe(_ProbedTwice):
             evidence["mask_problems"] = mask_failures
             self.report(ctx, "mask", BUILD_MASK, "future tokens change earlier logits with left padding, and "
                         "build_attention_mask lets queries see what they must not", evidence, confidence=0.8)
-        elif mask_leak:
-            problems = attend_problems(ctx.seam(ATTEND), device)
-            evidence["attend"] = problems
-            self.report(ctx, "model", ATTEND, "future tokens change earlier logits although the mask is right: "
-                        "the attention math leaks the future", evidence, confidence=0.75 if problems else 0.6)
+        elif attend := attend_diagnosis(ctx.seam(ATTEND), device):
+            evidence["attend"] = attend["cases"]
+            self.report(ctx, attend["subsystem"], ATTEND, "future tokens change earlier logits although the mask "
+                        f"builder is right; attend breaks its contract on the {attend['case']}: {attend['problem']}",
+                        evidence, confidence=0.75)
         else:
-            evidence["mask_free_path"] = none_path
-            self.report(ctx, "mask", ATTEND, "future tokens change earlier logits only on the mask-free path "
-                        "(no padding, the mask builder returns None); with an explicit mask the model is causal: "
-                        "attention without a mask is not causal", evidence, confidence=0.75)
+            self.report(ctx, "model" if mask_leak else "mask", None, "future tokens change earlier logits although "
+                        "build_attention_mask and attend keep their contracts", evidence, confidence=0.4)
 
 
 @register
@@ -399,7 +373,7 @@ class PaddingInvariance(_ProbedTwice):
         evidence = {"relative_logit_gap": gaps}
         mask_failures = check_build_mask(ctx.seam(BUILD_MASK), device, CONTRACT_CASES[:1], (torch.float32,))
         positions = positions_problem(ctx.seam(POSITIONS), device)
-        attend = attend_problems(ctx.seam(ATTEND), device)
+        attend = attend_diagnosis(ctx.seam(ATTEND), device)
         what = f"a document's real-token logits change when it is {' and '.join(bad)}-padded in a batch"
         if "left" in bad and mask_failures:
             evidence["mask_problems"] = mask_failures
@@ -410,9 +384,9 @@ class PaddingInvariance(_ProbedTwice):
             self.report(ctx, "position", POSITIONS, f"{what}; left padding moves the positions", evidence,
                         confidence=0.75)
         elif attend:
-            evidence["attend"] = attend
-            self.report(ctx, attend_subsystem(attend), ATTEND, f"{what}; attend breaks its contract", evidence,
-                        confidence=0.7)
+            evidence["attend"] = attend["cases"]
+            self.report(ctx, attend["subsystem"], ATTEND, f"{what}; attend breaks its contract on the "
+                        f"{attend['case']}: {attend['problem']}", evidence, confidence=0.7)
         elif bad == ["right"]:
             self.report(ctx, "mask", ATTEND, f"{what}, while the left-padded (explicit mask) batch is fine: the "
                         "mask-free path lets real tokens see the pads after them", evidence, confidence=0.6)

@@ -200,6 +200,98 @@ def softmax_attention(q, k, v, additive=None, keep=None) -> torch.Tensor:
     return scores.softmax(-1) @ v.double()
 
 
+def _attend_close(out, ref, tol: float = 1e-4) -> bool:
+    return (isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(ref.shape)
+            and bool(torch.allclose(out.double(), ref, atol=tol, rtol=tol, equal_nan=True)))
+
+
+def _attend_cases(device, gen) -> list[tuple[str, tuple, torch.Tensor]]:
+    """(name, (q, k, v, attn_mask), allowed (B, 1, T_q, T_k) bool) on random inputs: the mask-free causal
+    path, an arbitrary explicit mask (random pad keys anywhere, causal, each query sees itself), and a
+    cached chunk and decode step (T_q < T_k) with random pad keys."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    B, nh, T, hs = 2, 2, 7, 8
+    cases = []
+    q, k, v = rand(B, nh, T, hs), rand(B, nh, T, hs), rand(B, nh, T, hs)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    cases.append(("mask-free causal path (attn_mask=None)", (q, k, v, None), causal.expand(B, 1, T, T)))
+    for name, query_len in (("explicit mask, arbitrary pad keys", T), ("cached chunk (T_q=3 < T_k)", 3),
+                            ("cached decode step (T_q=1 < T_k)", 1)):
+        real = (torch.rand(B, T, generator=gen) > 0.35).to(device)
+        allowed = allowed_attention(real.long(), query_len)[:, None]  # (B, 1, T_q, T)
+        additive = torch.zeros(allowed.shape, device=device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        cases.append((name, (q[:, :, T - query_len:], k, v, additive), allowed))
+    return cases
+
+
+def _leaks(fn, inputs, allowed, out, gen) -> bool:
+    """Whether a key the mask forbids to a query changes that query's output: each query's forbidden keys
+    (and values) are replaced by fresh random ones, one query at a time."""
+    q, k, v, mask = inputs
+    for i in range(q.shape[2]):
+        forbidden = ~allowed[:, :, i, :, None]  # (B, 1, T_k, 1)
+        if not forbidden.any():
+            continue
+        k2 = torch.where(forbidden, torch.randn(k.shape, generator=gen).to(k.device), k)
+        v2 = torch.where(forbidden, torch.randn(v.shape, generator=gen).to(v.device), v)
+        again = fn(q, k2, v2, mask, 0.0)
+        if not _attend_close(again[:, :, i], out[:, :, i].double()):
+            return True
+    return False
+
+
+def _weights_normalized(fn, inputs) -> bool:
+    """Whether each query's attention weights sum to one (a weighted average of the values): with every
+    value 1, each finite output must be 1 (rows that come out NaN are judged by the mask checks)."""
+    q, k, v, mask = inputs
+    out = fn(q, k, torch.ones_like(v), mask, 0.0).double()
+    finite = torch.isfinite(out)
+    return bool(torch.allclose(out[finite], torch.ones_like(out[finite]), atol=1e-4))
+
+
+def attend_diagnosis(fn, device) -> dict | None:
+    """Check an attend(q, k, v, attn_mask, dropout_p) against softmax(q k^T / sqrt(hs) + mask) v (float64,
+    computed here) on random inputs, then on scores of a few hundred. None when it keeps its contract;
+    otherwise {"subsystem", "case", "problem", "cases"}: mask when each query's weights sum to one but a key
+    the mask forbids changes its output (the mask or causality is not honoured), precision when only large
+    scores break it, else model (the attention math)."""
+    gen = torch.Generator().manual_seed(11)
+    failures, leaking = {}, None
+    for name, inputs, allowed in _attend_cases(device, gen):
+        q, k, v, mask = inputs
+        ref = softmax_attention(q, k, v, mask, keep=allowed)
+        try:
+            out = fn(q, k, v, mask, 0.0)
+            if _attend_close(out, ref):
+                continue
+            failures[name] = "differs from softmax(q k^T / sqrt(hs) + mask) v"
+            if not _weights_normalized(fn, inputs):
+                failures[name] += "; a query's attention weights do not sum to one"
+            elif leaking is None and _leaks(fn, inputs, allowed, out, gen):
+                leaking = name
+                failures[name] += "; keys the mask forbids change the output"
+        except Exception as exc:  # noqa: BLE001 - raising on a documented input breaks the contract
+            failures.setdefault(name, f"raised {type(exc).__name__}: {str(exc)[:120]}")
+    if failures:
+        case = leaking or next(iter(failures))
+        return {"subsystem": "mask" if leaking else "model", "case": case, "problem": failures[case],
+                "cases": failures}
+    q, k, v, _ = _attend_cases(device, gen)[0][1]
+    big = 40.0 ** 0.5  # scores of a few hundred: a softmax without max subtraction overflows even in fp32
+    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=device).tril()
+    try:
+        stable = _attend_close(fn(q * big, k * big, v, None, 0.0), softmax_attention(q * big, k * big, v, keep=causal),
+                               1e-3)
+    except Exception:  # noqa: BLE001
+        stable = False
+    if not stable:
+        return {"subsystem": "precision", "case": "large scores", "problem": "wrong or non-finite for scores of a few "
+                "hundred (a softmax without max subtraction overflows)", "cases": {}}
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- gradients
 def l2_norm(tensors) -> float:
     """The float64 L2 norm of a sequence of tensors taken together."""
