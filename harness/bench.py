@@ -1,6 +1,8 @@
 """The bench: every fault x seeds plus the clean matrix, each case isolated, scored, written to results/.
 
-Cases: each registered fault runs in the recipe its manifest points to (``recipe_for``) with the whole
+Cases: each registered fault runs in the plainest recipe that meets its manifest's needs, and a recipe
+left holding faults of fewer than 3 subsystems gets faults of others it can show (``assign_recipes``); a
+fault no recipe can show is "not runnable in the matrix". Each runs with the whole
 suite plus the non-exclusive baselines; an exclusive detector (one that changes the run, like anomaly
 mode) gets its own case. The clean matrix is every recipe x seed with the same detectors.
 
@@ -14,6 +16,7 @@ re-run recomputes only what changed; results are written atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -27,9 +30,9 @@ import torch
 
 from detectors.api import all_detectors, resolve_ids
 from harness.atomic import write_text
-from harness.case import RECIPES, Case, case_hash, execute, failed_record, recipe_for, source_digest
+from harness.case import RECIPES, Case, assign_recipes, behaviour, case_hash, execute, failed_record, source_digest
 from harness.detect import detector_groups
-from harness.score import SUITE, aggregate, case_rows, exclusive_overhead, per_fault
+from harness.score import SUITE, aggregate, case_rows, exclusive_overhead, not_runnable, per_fault
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench"
@@ -73,14 +76,17 @@ def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
         specs = {k: FAULTS[k] for k in cfg.faults}
     groups = [g for g in detector_groups(resolve_ids(cfg.detectors)) if cfg.exclusive or len(g) > 1
               or not all_detectors()[g[0]].exclusive]
+    runs, not_runnable = assign_recipes(specs)  # a fault no recipe can show gets no case, only its reason
     cases = []
     for seed in cfg.seeds:
-        for fault_id, spec in specs.items():
-            recipe = recipe_for(spec.manifest)
-            cases += [Case(recipe, seed, (fault_id,), group, cfg.plugins) for group in groups]
+        for fault_id, recipes in runs.items():
+            cases += [Case(recipe, seed, (fault_id,), group, cfg.plugins) for recipe in recipes for group in groups]
         if cfg.clean:
             cases += [Case(recipe, seed, (), group, cfg.plugins) for recipe in RECIPES for group in groups]
-    return cases, {k: v.metadata() for k, v in specs.items()}
+    faults = {k: v.metadata() for k, v in specs.items()}
+    for fault_id, reason in not_runnable.items():
+        faults[fault_id]["not_runnable"] = reason
+    return cases, faults
 
 
 def code_digest(plugins=()) -> str:
@@ -237,8 +243,18 @@ def run_bench(cfg: BenchConfig) -> dict:
     finally:
         if pool is not None:
             pool.close()
+    mark_manifested(records)
     return score_and_write([records[c] for c in cases], faults, cfg, wall_s=time.monotonic() - start,
                            cached=len(cases) - len(todo))
+
+
+def mark_manifested(records: dict[Case, dict]) -> None:
+    """Set every fault case's "manifested": its run behaved unlike the clean case of the same recipe, seed and
+    detectors (``harness.case.behaviour``); None where the matrix holds no such clean case (scored as shown)."""
+    for case, record in records.items():
+        if case.faults:
+            clean = records.get(dataclasses.replace(case, faults=()))
+            record["manifested"] = None if clean is None else behaviour(record) != behaviour(clean)
 
 
 def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float,
@@ -264,6 +280,7 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
         "seeds": list(cfg.seeds),
         "targets": {k: list(v) for k, v in TARGETS.items()},
         "per_fault": per_fault(rows, faults),
+        "not_runnable": not_runnable(faults),
         "crashed_cases": sum(bool(r["crash"]) for r in records),
         "hung_cases": sum(bool(r.get("hang")) for r in records),
     }

@@ -26,15 +26,24 @@ import random
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 from detectors.api import HOOKS, Detector, RunContext, all_detectors, rank_findings, rank_key
-from model.config import RunConfig, get_preset
+from model.config import DataConfig, RunConfig, get_preset
 from model.seams import SEAMS, resolve
 
 EVAL_DOCS = 128  # validation documents evaluated at the end of a case (the full split takes 8x longer)
+DECODE_PROMPTS, DECODE_TOKENS = 4, 8  # a case ends as real runs do: sampling from the model, with the KV cache
+
+
+# The combined recipes' small corpus: 143 training documents, 8 global batches of 16 an epoch, so their
+# 12 steps cross an epoch boundary (at step 8, after the resume at 6); a quarter of it is validation.
+SMALL_EPOCH = {"num_docs": 200, "val_fraction": 0.25}
+COMBINED = {"train": {"precision": "fp16", "accum": 2}, "data": {"pad_side": "left", **SMALL_EPOCH},
+            "model": {"dropout": 0.1}}
 
 
 @dataclass(frozen=True)
@@ -65,27 +74,145 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("ddp", {"train": {"accum": 2}}, world_size=2),
     Recipe("zero", {"train": {"zero": True}}, world_size=2),
     Recipe("ddp_resume", {}, world_size=2, resume_at=8),
+    # what real runs combine: fp16 with its GradScaler, accumulation, left padding, dropout, a resume
+    # mid-run and an epoch boundary after it; on one process and on two ranks
+    Recipe("combined", COMBINED, steps=12, resume_at=6),
+    Recipe("ddp_combined", COMBINED, steps=12, world_size=2, resume_at=6),
 )}
 
 
+# ---- which recipe can show a fault --------------------------------------------------------------------
+# A manifest's variant mixes two kinds of keys. Essential keys switch a code path on (precision, pad side,
+# accumulation, dropout, ZeRO, ranks, truncation, bias, device): a recipe must match them, or the fault's
+# code may never run. Tuning keys only make the proof test sharp (a short seq_len, a large init_std, a
+# tiny vocabulary, a batch size, a clip value, an initial loss scale, the corpus size): the recipe's own
+# values stand in for them, and the case's manifested flag (``harness.bench.mark_manifested``) says
+# whether the fault still showed. A key in neither list is essential and must match exactly.
+TUNING = {
+    "data": {"seq_len", "vocab_size", "num_docs", "val_fraction", "num_words", "branching", "short_stop",
+             "long_fraction", "long_stop", "max_words", "corpus_seed"},
+    "model": {"vocab_size", "init_std", "n_layer", "n_head", "n_embd", "max_positions", "rope_base"},
+    "train": {"steps", "batch_size", "lr", "min_lr", "warmup_steps", "weight_decay", "betas", "eps", "grad_clip",
+              "init_scale", "eval_batch_size"},
+}
+# essential keys whose value matters only as on/off (accum 4 and accum 2 both accumulate)
+SWITCHES = {("train", "accum"): lambda v: v > 1, ("model", "dropout"): lambda v: v > 0,
+            ("train", "world_size"): lambda v: v > 1}
+# what a run does beyond its config, derived from a manifest's scenario and steps; every case decodes a
+# few prompts with the KV cache at its end, so the generate scenario needs nothing more
+RESUME, EPOCH = ("run", "resume"), ("run", "crosses_epoch")
+
+
+class NotRunnable(ValueError):
+    """No recipe of the matrix satisfies a fault's manifest."""
+
+
+@lru_cache(maxsize=32)
+def train_docs(data: DataConfig) -> int:
+    """Documents in the training split of ``data``'s corpus (sampled and split, not tokenized)."""
+    from model.corpus import MarkovSource, split_of
+
+    texts = MarkovSource.from_config(data).sample(data.num_docs, seed=data.corpus_seed + 1)
+    return sum(split_of(t, data.val_fraction) == "train" for t in texts)
+
+
+def crosses_epoch(cfg: RunConfig) -> bool:
+    """Whether ``cfg``'s run consumes more global batches than one epoch holds."""
+    return cfg.train.steps > train_docs(cfg.data) // cfg.train.batch_size
+
+
+def _feature(section: str, key: str, value):
+    switch = SWITCHES.get((section, key))
+    return switch(value) if switch else value
+
+
+def needs(manifest) -> dict[tuple[str, str], object]:
+    """What a recipe must have for the fault to show: (section, key) -> value (on/off for a switch)."""
+    from harness.scenario import scenario_config
+
+    out = {(section, key): _feature(section, key, value) for section, keys in manifest.variant.items()
+           for key, value in keys.items() if key not in TUNING.get(section, ())}
+    if manifest.scenario in ("resume", "ddp_resume"):
+        out[RESUME] = True
+    if manifest.scenario in ("ddp", "ddp_resume"):
+        out[("train", "world_size")] = True
+    if crosses_epoch(scenario_config(manifest.variant, manifest.steps, 0)):
+        out[EPOCH] = True
+    return out
+
+
+def has(recipe: Recipe, need: tuple[str, str]):
+    """The recipe's value for one of ``needs``'s keys (None: its config has no such field)."""
+    section, key = need
+    if need == RESUME:
+        return recipe.resume_at is not None
+    if need == EPOCH:
+        return crosses_epoch(recipe.config(0))
+    return _feature(section, key, getattr(getattr(recipe.config(0), section, None), key, None))
+
+
+def unmet(manifest, recipe: Recipe) -> list[str]:
+    """The manifest's needs that ``recipe`` does not meet, as "section.key=value" (empty: it can show there)."""
+    return [f"{s}.{k}={v}" for (s, k), v in needs(manifest).items() if has(recipe, (s, k)) != v]
+
+
+def features(recipe: Recipe) -> int:
+    """How many code paths the recipe switches on beyond the plain fp32 run."""
+    cfg = recipe.config(0)
+    return sum((cfg.train.precision != "fp32", cfg.data.pad_side != "right", cfg.train.accum > 1,
+                cfg.model.dropout > 0, cfg.train.zero, recipe.world_size > 1, recipe.resume_at is not None,
+                crosses_epoch(cfg)))
+
+
+def recipes_for(manifest) -> list[str]:
+    """Every recipe that meets the manifest's needs, the plainest first (fewest ``features``, then order)."""
+    fit = [name for name, r in RECIPES.items() if not unmet(manifest, r)]
+    return sorted(fit, key=lambda name: features(RECIPES[name]))
+
+
 def recipe_for(manifest) -> str:
-    """The clean-matrix recipe in which a fault's manifest says it shows (scenario, then variant).
+    """The plainest recipe in which the fault's manifest says it shows; ``NotRunnable`` if none can.
 
     Only the recipe reaches the case: its detectors see the same config as the clean cases of it.
     """
-    variant = manifest.variant
-    train, data = variant.get("train", {}), variant.get("data", {})
-    if manifest.scenario in ("ddp_resume", "resume"):
-        return manifest.scenario
-    if manifest.scenario == "ddp":
-        return "zero" if train.get("zero") else "ddp"
-    if train.get("precision") in ("fp16", "bf16"):
-        return train["precision"]
-    if data.get("pad_side") == "left":
-        return "left_pad"
-    if train.get("accum", 1) > 1:
-        return "accum"
-    return "fp32"
+    fit = recipes_for(manifest)
+    if not fit:
+        closest = min(RECIPES.values(), key=lambda r: len(unmet(manifest, r)))
+        raise NotRunnable(f"no recipe of the matrix has what the fault needs (closest, {closest.name}, lacks "
+                          f"{', '.join(unmet(manifest, closest))})")
+    return fit[0]
+
+
+MIN_SUBSYSTEMS = 3  # a recipe that holds faults holds faults of this many subsystems at least
+
+
+def assign_recipes(specs: dict) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The recipes each fault runs in, and why the others cannot run: ({fault id: [recipes]}, {fault id: reason}).
+
+    A fault runs in its plainest fitting recipe (``recipe_for``). A recipe that then holds faults of fewer
+    than ``MIN_SUBSYSTEMS`` subsystems would tell a detector that recognises its config where to look, so
+    it also gets, one per missing subsystem, a fault it can show that it does not hold yet: the one with
+    the most needs (it exercises the recipe's combination), then the one run in the fewest recipes so far,
+    then a fault that acts on every step, then by id.
+    """
+    runs, not_runnable = {}, {}
+    for fault_id, spec in specs.items():
+        try:
+            runs[fault_id] = [recipe_for(spec.manifest)]
+        except NotRunnable as exc:
+            not_runnable[fault_id] = str(exc)
+    fits = {f: recipes_for(specs[f].manifest) for f in runs}
+    for recipe in RECIPES:
+        held = {specs[f].subsystem for f, rs in runs.items() if recipe in rs}
+        while held and len(held) < MIN_SUBSYSTEMS:
+            candidates = [f for f in runs if recipe in fits[f] and specs[f].subsystem not in held]
+            if not candidates:
+                break
+            pick = min(candidates, key=lambda f: (-len(needs(specs[f].manifest)), len(runs[f]),
+                                                  specs[f].trigger != "always", f))
+            runs[pick].append(recipe)
+            held.add(specs[pick].subsystem)
+    return runs, not_runnable
 
 
 @dataclass(frozen=True)
@@ -119,7 +246,7 @@ def empty_record(case: Case, rank: int = 0) -> dict:
     """A case record before anything ran: no history, no findings, no crash."""
     return {"case": case.to_dict(), "rank": rank, "history": [], "crash": None, "val_loss": None, "train_s": 0.0,
             "wall_s": 0.0, "resumed_at": None, "findings": [], "detector_errors": {}, "step_seconds": {},
-            "other_seconds": {}, "summaries": {}}
+            "other_seconds": {}, "summaries": {}, "outputs": {"positions": 0}}
 
 
 def failed_record(case: Case, kind: str, message: str) -> dict:
@@ -198,6 +325,7 @@ def _train_until(run, suite: Suite, until: int, out: dict, capture=None) -> None
         suite.in_step = True
         try:
             micro_batches = next_micro_batches(run)
+            out["outputs"]["positions"] += sum(b["input_ids"].numel() for b in micro_batches)  # compute spent
             if capture is not None:
                 capture.batch(run.step, micro_batches)
             suite.fire("on_batch", micro_batches)
@@ -269,6 +397,7 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
         ctx.phase = "eval"
         out["val_loss"] = evaluate(ctx.run.model, ctx.run.corpus.val[:EVAL_DOCS], ctx.run.tokenizer.pad_id,
                                    cfg.train.eval_batch_size, cfg.train.precision, cfg.data.pad_side)
+        out["outputs"].update(decode(ctx.run))
         suite.fire("on_end", {"val_loss": out["val_loss"]})
     except Exception as exc:  # the crash is the outcome
         out["crash"] = crash_record(exc, ctx.run.step if ctx.run is not None else None)
@@ -277,12 +406,56 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
     finally:
         for h in handles:
             h.remove()
+    if ctx.run is not None:
+        out["outputs"].update(final_state(ctx.run))
     out["wall_s"] = time.perf_counter() - start
     if suite is None:  # the run could not even be built: no detector saw anything
         return out
     out.update(findings=[f.to_dict() for f in suite.findings()], detector_errors=suite.errors,
                step_seconds=suite.step_seconds, other_seconds=suite.other_seconds, summaries=suite.summaries())
     return out
+
+
+def decode(run) -> dict:
+    """Greedy decode of the ``DECODE_PROMPTS`` longest validation documents' first tokens, left-padded, with
+    the KV cache: {"decoded": (B, DECODE_TOKENS) token lists, "decode_logits": sha1 of every cached step's
+    logits}. The model is left in eval mode."""
+    from model.data import collate
+    from model.precision import autocast_context
+
+    prompts = [doc[: 3 + 2 * i] for i, doc in enumerate(sorted(run.corpus.val, key=len)[-DECODE_PROMPTS:])]
+    batch = collate(prompts, run.tokenizer.pad_id, "left")
+    model = run.model.eval()
+    logits = []
+    hook = model.register_forward_hook(lambda module, args, output: logits.append(output[:, -1].float()))
+    try:
+        with torch.no_grad(), autocast_context(run.config.train.precision, "cpu"):
+            tokens = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=DECODE_TOKENS)
+    finally:
+        hook.remove()
+    digest = hashlib.sha1(torch.cat(logits, 1).numpy().tobytes()).hexdigest()
+    return {"decoded": tokens[:, batch["input_ids"].shape[1]:].tolist(), "decode_logits": digest}
+
+
+def final_state(run) -> dict:
+    """What the run left behind: a sha1 of its parameters, and how many of its step records still hold an
+    autograd graph (a kept graph changes no number, only memory)."""
+    digest = hashlib.sha1()
+    for p in run.model.parameters():
+        digest.update(p.detach().cpu().float().numpy().tobytes())
+    held = sum(any(isinstance(v, torch.Tensor) and v.grad_fn is not None for v in vars(rec).values())
+               for rec in run.history)
+    return {"params": digest.hexdigest(), "graphs_held": held}
+
+
+def behaviour(record: dict) -> str:
+    """What a case's run did, timing left out, as one string: the step history, crash (type, step), val loss,
+    decoded tokens and logits, final parameters, positions computed and graphs kept. A fault manifested in a
+    case iff this differs from the clean case of the same recipe, seed and detectors."""
+    crash = record["crash"] or {}
+    history = [{k: v for k, v in h.items() if k not in ("seconds", "tokens_per_s")} for h in record["history"]]
+    return json.dumps({"history": history, "crash": [crash.get("type"), crash.get("step")],
+                       "val_loss": record["val_loss"], "outputs": record.get("outputs", {})}, sort_keys=True)
 
 
 def case_from_dict(d: dict) -> Case:

@@ -12,8 +12,8 @@ from harness.score import SUITE
 
 COLUMNS = ("case", "fault", "recipe", "seed", "detector", "detected", "findings", "first_step", "latency",
            "top1_subsystem", "top3_subsystem", "rr_subsystem", "top1_seam", "top3_seam", "rr_seam",
-           "crash", "hang", "train_s", "step_s", "other_s", "error")
-SCORE_COLUMNS = (("detection_rate", "detect"), ("false_positive_rate", "FP"), ("top1_subsystem", "top1 sub"),
+           "manifested", "crash", "hang", "train_s", "step_s", "other_s", "error")
+SCORE_COLUMNS = (("fault_cases", "shown"), ("not_shown_cases", "not shown"), ("detection_rate", "detect"), ("false_positive_rate", "FP"), ("top1_subsystem", "top1 sub"),
                  ("top3_subsystem", "top3 sub"), ("mrr_subsystem", "MRR sub"), ("top1_seam", "top1 seam"),
                  ("top3_seam", "top3 seam"), ("mrr_seam", "MRR seam"), ("median_latency_steps", "latency"),
                  ("overhead_ratio", "overhead"), ("hook_s", "hook s"), ("errors", "errors"))
@@ -85,19 +85,39 @@ def leaderboard(summary: dict, faults: dict[str, dict], registry) -> str:
         "",
         "## Per fault (suite)",
         "",
-        "| fault | subsystem | recipe | detected | top-1 subsystem | top-1 seam | latency (steps) |",
-        "|---|---|---|---|---|---|---|",
+        "Counted over the cases where the fault showed (its run differed from the clean case of the same recipe "
+        "and seed); \"did not show\" counts the others, which are not scored.",
+        "",
+        "| fault | subsystem | recipes | did not show | detected | top-1 subsystem | top-1 seam | latency (steps) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for fault_id, e in sorted(summary["per_fault"].items(), key=lambda kv: (kv[1]["subsystem"], kv[0])):
         lat = ", ".join(map(str, e["latencies"])) or "-"
-        out.append(f"| {fault_id} | {e['subsystem']} | {e['recipe']} | {e['detected']}/{e['seeds']} | "
-                   f"{e['top1_subsystem']}/{e['seeds']} | {e['top1_seam']}/{e['seeds']} | {lat} |")
-    missed = [f for f, e in summary["per_fault"].items() if e["detected"] < e["seeds"]]
-    mislocated = [f for f, e in summary["per_fault"].items() if e["top1_subsystem"] < e["seeds"]]
-    out += ["", "## Blind spots", "",
-            f"- not detected on every seed: {', '.join(sorted(missed)) or 'none'}",
-            f"- top-1 subsystem wrong on some seed: {', '.join(sorted(mislocated)) or 'none'}"]
+        shown = e["cases"] - e["not_shown"]
+        out.append(f"| {fault_id} | {e['subsystem']} | {', '.join(e['recipes'])} | {e['not_shown']}/{e['cases']} | "
+                   f"{e['detected']}/{shown} | {e['top1_subsystem']}/{shown} | {e['top1_seam']}/{shown} | {lat} |")
+    out += blind_spot_lines(summary)
     return "\n".join(out) + "\n"
+
+
+def blind_spot_lines(summary: dict) -> list[str]:
+    """Faults the detectors missed (where they showed), apart from faults that did not show in some case and
+    faults no recipe of the matrix can show at all ("not runnable in the matrix")."""
+    per = summary["per_fault"]
+    shown = {f: e["cases"] - e["not_shown"] for f, e in per.items()}
+    missed = [f for f, e in per.items() if e["detected"] < shown[f]]
+    mislocated = [f for f, e in per.items() if e["top1_subsystem"] < shown[f]]
+    silent = [f"{f} ({e['not_shown']}/{e['cases']})" for f, e in per.items() if e["not_shown"]]
+    out = ["", "## Blind spots", "",
+           f"- detector missed (the fault showed, no finding) on some case: {', '.join(sorted(missed)) or 'none'}",
+           f"- top-1 subsystem wrong on some case: {', '.join(sorted(mislocated)) or 'none'}",
+           f"- fault did not show (its run matched the clean one; not scored) on some case: "
+           f"{', '.join(sorted(silent)) or 'none'}",
+           "", "## Not runnable in the matrix", ""]
+    unrunnable = summary.get("not_runnable", {})
+    if not unrunnable:
+        return out + ["Every fault's manifest is met by some recipe."]
+    return out + ["| fault | why |", "|---|---|"] + [f"| {f} | {why} |" for f, why in sorted(unrunnable.items())]
 
 
 def heatmap(path: Path, rows: list[dict], faults: dict[str, dict]) -> None:

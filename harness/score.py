@@ -9,7 +9,12 @@ Definitions (per detector, and for the suite = the union of the non-baseline det
 - latency: the step of the first finding with an acceptable subsystem minus the trigger step (the
   checkpoint's step for on-resume faults, else 0), never below 0: an offline checker (TrainCheck) can pin
   a violation on an event before the trigger, which is not an earlier detection;
-- overhead: train time / (train time - time spent in the passive detectors' step hooks), same run.
+- overhead: train time / (train time - time spent in the passive detectors' step hooks), same run;
+- shown: a fault case in which the fault manifested (its run behaved unlike the clean case of the same
+  recipe, seed and detectors: ``harness.bench.mark_manifested``). Detection, localization and latency are
+  means over the shown cases only; the cases where the fault did not show are counted beside them
+  (``not_shown_cases``), never scored as misses. A case with no clean twin to compare (``manifested`` None)
+  counts as shown.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str]) -> li
     trig = trigger_step(fault, record)
     base = {"case": record["name"], "fault": case["faults"][0] if case["faults"] else "", "recipe": case["recipe"],
             "seed": case["seed"], "crash": (record["crash"] or {}).get("type", ""),
-            "hang": bool(record.get("hang")), "train_s": record.get("train_s", 0.0)}
+            "hang": bool(record.get("hang")), "train_s": record.get("train_s", 0.0),
+            "manifested": record.get("manifested") if case["faults"] else None}
     rows = []
     for det in case["detectors"]:
         found = [f for f in record["findings"] if f["detector"] == det]
@@ -91,13 +97,14 @@ def _mean(values) -> float | None:
 
 def aggregate(rows: list[dict], passive: dict[str, bool]) -> dict:
     """Scores of one detector (or the suite) over its rows. ``passive``: detector id -> counts in overhead."""
-    faulty = [r for r in rows if r["fault"]]
+    faulty = [r for r in rows if r["fault"] and r.get("manifested") is not False]
     clean = [r for r in rows if not r["fault"]]
     latencies = [r["latency"] for r in faulty if r.get("latency") is not None]
     ratios = [r["train_s"] / (r["train_s"] - r["step_s"]) for r in rows
               if r["train_s"] > 0 and r["train_s"] > r["step_s"] and passive.get(r["detector"], True)]
     out = {
         "fault_cases": len(faulty),
+        "not_shown_cases": sum(bool(r["fault"]) and r.get("manifested") is False for r in rows),
         "clean_cases": len(clean),
         "detection_rate": _mean(r["detected"] for r in faulty),
         "false_positive_rate": _mean(r["detected"] for r in clean),
@@ -123,15 +130,21 @@ def exclusive_overhead(rows: list[dict], detector: str) -> float | None:
 
 
 def per_fault(rows: list[dict], faults: dict[str, dict]) -> dict:
-    """For each fault: how the suite did on each seed (detected, top-1 subsystem and seam, latency)."""
+    """For each fault: its recipes and how the suite did on its cases (detected, top-1 subsystem and seam,
+    latency, crashes) counted over the cases where it showed; "not_shown" counts the others."""
     out = {}
     for r in rows:
         if r["detector"] != SUITE or not r["fault"]:
             continue
-        entry = out.setdefault(r["fault"], {"subsystem": faults[r["fault"]]["subsystem"], "recipe": r["recipe"],
-                                            "seeds": 0, "detected": 0, "top1_subsystem": 0, "top1_seam": 0,
+        entry = out.setdefault(r["fault"], {"subsystem": faults[r["fault"]]["subsystem"], "recipes": [], "cases": 0,
+                                            "not_shown": 0, "detected": 0, "top1_subsystem": 0, "top1_seam": 0,
                                             "latencies": [], "crashed": 0})
-        entry["seeds"] += 1
+        if r["recipe"] not in entry["recipes"]:
+            entry["recipes"].append(r["recipe"])
+        entry["cases"] += 1
+        if r.get("manifested") is False:
+            entry["not_shown"] += 1
+            continue
         entry["detected"] += r["detected"]
         entry["top1_subsystem"] += r["top1_subsystem"]
         entry["top1_seam"] += r["top1_seam"]
@@ -139,3 +152,8 @@ def per_fault(rows: list[dict], faults: dict[str, dict]) -> dict:
         if r["latency"] is not None:
             entry["latencies"].append(r["latency"])
     return out
+
+
+def not_runnable(faults: dict[str, dict]) -> dict[str, str]:
+    """The faults no recipe of the matrix can show, with the reason (they have no case and no score)."""
+    return {f: m["not_runnable"] for f, m in faults.items() if m.get("not_runnable")}
