@@ -6,6 +6,9 @@ fires) and collects what they ``report``. Honesty rules (tested in tests/detecto
 - a detector never receives the fault id or any fault metadata: the context holds only the run;
 - detector modules import neither ``faults`` nor ``model``: they reach the run's code only through
   the context (``ctx.run``'s objects, ``ctx.seam(name)`` for the run's live function of a seam);
+- they use no introspection that reaches the harness or the injection (frames, gc, linecache, source
+  of seams, the environment, caches of seam functions): what a probe may know of the code (which seam
+  a traceback line lies in) the context answers (``seam_at``, ``raising_seam``);
 - on every clean run variant every detector must stay silent.
 """
 
@@ -13,7 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
+import os
 import random
+import traceback
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -52,11 +59,18 @@ class RunContext:
     runs of the same recipe (other seeds), or None."""
 
     run: Any
-    seam_resolver: Callable[[str], Callable]
+    seam_resolver: Callable[[str], Callable]  # sealed on construction: seam-table names only (see seam)
     seams: dict[str, str] = field(default_factory=dict)  # the localization vocabulary: seam name -> subsystem
     golden: dict | None = None
     phase: str = "train"  # "train", "eval" (the end-of-run evaluation), "probe"
     _memo: dict = field(default_factory=dict, repr=False)
+    _spans: Callable[[], list] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # the raw resolver imports any dotted name (``faults.registry`` included): it stays in closures
+        raw, names = self.seam_resolver, frozenset(self.seams)
+        self.seam_resolver = _sealed_resolver(raw, names)
+        self._spans = lambda: _seam_spans(raw, names)
 
     @property
     def config(self):
@@ -68,8 +82,22 @@ class RunContext:
 
     def seam(self, name: str) -> Callable:
         """The run's live function for a seam name such as ``"model.data.collate"`` (a class name such as
-        ``"model.gpt.KVCache"`` also resolves). Under injection this is the code the run executes."""
+        ``"model.gpt.KVCache"`` also resolves). Under injection this is the code the run executes.
+        Names outside the seam table raise ValueError; a cached seam comes without its cache."""
         return self.seam_resolver(name)
+
+    def seam_at(self, path: str, line: int) -> str | None:
+        """The seam whose live function holds source line ``line`` of file ``path`` (a traceback's frame),
+        the tightest one when functions nest; None when no seam does."""
+        real = os.path.realpath(path)
+        hits = [(last - first, name) for name, file, first, last in self._spans()
+                if file == real and first <= line <= last]
+        return min(hits)[1] if hits else None
+
+    def raising_seam(self, exc: BaseException) -> str | None:
+        """The innermost seam on ``exc``'s traceback (a probe's call that raised), or None."""
+        frames = traceback.extract_tb(exc.__traceback__)
+        return next((s for f in reversed(frames) if (s := self.seam_at(f.filename, f.lineno))), None)
 
     def memo(self, key: str, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per run (the resumed run is a new one): a verdict several detectors use,
@@ -97,6 +125,59 @@ class RunContext:
             random.setstate(states[0])
             np.random.set_state(states[1])
             torch.set_rng_state(states[2])
+
+
+def _sealed_resolver(resolve: Callable[[str], Any], names: frozenset[str]) -> Callable[[str], Any]:
+    """``resolve`` restricted to the seam table: a seam's function, or a class one of them is a method of."""
+    def seam(name: str):
+        if name not in names and not any(s.startswith(name + ".") for s in names):
+            raise ValueError(f"{name!r} is not a seam (nor a class of one): the context resolves seams only")
+        obj = resolve(name)
+        if name not in names and not isinstance(obj, type):  # a module prefix such as "model.data"
+            raise ValueError(f"{name!r} is not a seam (nor a class of one): the context resolves seams only")
+        return obj if isinstance(obj, (types.FunctionType, type)) else _without_cache(obj)
+
+    return seam
+
+
+def _without_cache(fn: Callable) -> Callable:
+    """A plain function calling ``fn`` (e.g. an ``lru_cache`` wrapper) with its name, doc and signature,
+    and no way to its cache: whether the injection cleared it would tell which fault runs."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    call.__module__, call.__name__, call.__qualname__, call.__doc__ = (
+        fn.__module__, fn.__name__, fn.__qualname__, fn.__doc__)
+    call.__signature__ = inspect.signature(fn)
+    return call
+
+
+def _seam_spans(resolve: Callable[[str], Any], names) -> list[tuple[str, str, int, int]]:
+    """(seam, real file, first line, last line) of every seam's live function that has code."""
+    spans = []
+    for name in names:
+        try:
+            span = _line_span(resolve(name))
+        except (TypeError, ValueError):
+            continue
+        if span is not None:
+            spans.append((name, *span))
+    return spans
+
+
+def _line_span(fn) -> tuple[str, int, int] | None:
+    """(real file, first line, last line) of the code a function runs, from its code objects (nested
+    ones included); None for anything else. Honesty exemption (tests/detectors/test_honesty.py): line
+    numbers are what a traceback already shows, and the source text is never read."""
+    fn = inspect.unwrap(fn)
+    if not isinstance(fn, types.FunctionType):
+        return None
+    codes, lines = [fn.__code__], []
+    while codes:
+        code = codes.pop()
+        lines += [end for _, end, _, _ in code.co_positions() if end is not None]
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return os.path.realpath(fn.__code__.co_filename), fn.__code__.co_firstlineno, max(lines)
 
 
 class Detector:

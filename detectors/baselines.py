@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import re
@@ -24,31 +23,9 @@ from detectors.api import Detector, RunContext, register
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
-def seam_spans(ctx: RunContext) -> list[tuple[str, str, int, int]]:
-    """(seam, real file, first line, last line) of every seam's LIVE function: under injection the code
-    the run executes, whose source (the spliced module) is what its tracebacks show."""
-    spans = []
-    for name in ctx.seams:
-        try:
-            fn = inspect.unwrap(ctx.seam(name))
-            if not inspect.isfunction(fn):
-                continue
-            lines, first = inspect.getsourcelines(fn)
-            spans.append((name, os.path.realpath(inspect.getsourcefile(fn)), first, first + len(lines) - 1))
-        except (OSError, TypeError, ValueError):
-            continue
-    return spans
-
-
 def innermost_seam(ctx: RunContext, frames: list[tuple[str, int]]) -> str | None:
-    """The innermost (last) of ``frames`` (file, line) that lies inside a seam's function."""
-    spans = seam_spans(ctx)
-    for path, line in reversed(frames):
-        real = os.path.realpath(path)
-        hits = [(last - first, name) for name, f, first, last in spans if f == real and first <= line <= last]
-        if hits:
-            return min(hits)[1]  # the tightest span (a seam defined inside another's range never wins wrongly)
-    return None
+    """The innermost (last) of ``frames`` (file, line) that lies inside a seam's live function."""
+    return next((seam for path, line in reversed(frames) if (seam := ctx.seam_at(path, line))), None)
 
 
 @register

@@ -152,22 +152,9 @@ def _probe_docs(ctx, count: int = 4, max_len: int = 24) -> list[list[int]]:
     return probes.sample_docs(ctx, count, max_len=max_len, min_len=8 if len(lengths) >= count else 4)
 
 
-def raising_seam(ctx, exc: BaseException) -> str | None:
-    """The innermost seam on an exception's traceback (frames named module.qualname, as the seam table)."""
-    found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        name = f"{tb.tb_frame.f_globals.get('__name__', '')}.{code.co_qualname}"
-        if name in ctx.seams:
-            found = name
-        tb = tb.tb_next
-    return found
-
-
 def report_raise(detector, ctx, exc: BaseException, what: str) -> None:
     """A probe's forward raised on a documented input: report where (the innermost seam on the traceback)."""
-    seam = raising_seam(ctx, exc)
+    seam = ctx.raising_seam(exc)
     subsystem = ctx.seams.get(seam, "model") if seam else "model"
     detector.report(ctx, subsystem, seam, f"the model raises on {what}: {type(exc).__name__}: {str(exc)[:160]}",
                     evidence={"seam_on_traceback": seam}, confidence=0.6 if seam else 0.4)

@@ -188,14 +188,29 @@ def _clear_corpus_caches() -> None:
 
 
 @contextlib.contextmanager
+def _private_tokenizer_cache():
+    """A faulty tokenizer must never land in the shared disk cache: the tokenizer module's ``cache_dir``
+    answers a private temporary folder meanwhile. Swapped in the module, not set in the environment
+    (``TOKENIZER_CACHE_DIR``), which any code of the process can read: a changed cache folder would
+    tell that the tokenizer is faulty."""
+    module = sys.modules["model.tokenizer"]
+    saved, tmp = module.cache_dir, Path(tempfile.mkdtemp(prefix="faultbench-tok-"))
+    module.cache_dir = lambda: tmp
+    try:
+        yield
+    finally:
+        module.cache_dir = saved
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def injected(*fault_ids: str):
     """Run the reference with ``fault_ids`` injected; everything is restored on exit."""
     specs = [get_fault(f) for f in fault_ids]
     plan = _by_module(specs)
     saved: list[tuple[types.FunctionType, types.CodeType]] = []
     lines_saved: dict[str, tuple | None] = {}
-    env_saved = os.environ.get("TOKENIZER_CACHE_DIR")
-    tmp_cache = None
+    private_cache = contextlib.ExitStack()
     try:
         for module_name, replacements in plan.items():
             module = sys.modules[module_name]
@@ -210,9 +225,8 @@ def injected(*fault_ids: str):
                 fn.__code__ = new_code
             lines_saved[path] = linecache.cache.get(path)
             linecache.cache[path] = (len(text), None, text.splitlines(keepends=True), path)
-        if "model.tokenizer" in plan:  # a faulty tokenizer must never land in the shared disk cache
-            tmp_cache = tempfile.mkdtemp(prefix="faultbench-tok-")
-            os.environ["TOKENIZER_CACHE_DIR"] = tmp_cache
+        if "model.tokenizer" in plan:
+            private_cache.enter_context(_private_tokenizer_cache())
         if _touches_corpus(plan):
             _clear_corpus_caches()
         yield specs
@@ -224,11 +238,6 @@ def injected(*fault_ids: str):
                 linecache.cache.pop(path, None)
             else:
                 linecache.cache[path] = entry
-        if tmp_cache is not None:
-            if env_saved is None:
-                os.environ.pop("TOKENIZER_CACHE_DIR", None)
-            else:
-                os.environ["TOKENIZER_CACHE_DIR"] = env_saved
-            shutil.rmtree(tmp_cache, ignore_errors=True)
+        private_cache.close()
         if _touches_corpus(plan):
             _clear_corpus_caches()

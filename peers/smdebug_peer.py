@@ -39,6 +39,7 @@ every firing tensor's owning module lies under one module class whose ``forward`
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -299,8 +300,10 @@ class SageMakerDebugger(Detector):
         self._starts: list[tuple[int, int]] = []  # (smdebug step of a window's first forward, optimizer step)
 
     def on_start(self, ctx: RunContext) -> None:
-        os.environ.setdefault("SMDEBUG_LOG_LEVEL", "error")  # its INFO lines would flood the bench's log
         import smdebug.pytorch as smd
+        from smdebug.core.logger import get_logger
+
+        get_logger().setLevel(logging.ERROR)  # its INFO lines would flood the bench's log (set once, at first use)
 
         self._out_dir = tempfile.mkdtemp(prefix="faultbench-smdebug-")
         save = smd.SaveConfig(save_interval=ctx.config.train.accum)  # the first micro-batch of each step
