@@ -11,7 +11,7 @@ from faults.registry import Manifest, also_replaces, fault
     seam="model.attention.build_attention_mask",
     title="Additive mask built with float32's min and cast to fp16: -inf, NaN on fully masked rows",
     subsystem="mask",
-    also_acceptable=("precision",),
+    also_acceptable=("precision", "model"),  # model: it also replaces model.attention.attend
     trigger="amp-only",
     symptoms=("nan",),
     explanation="The mask is filled with torch.finfo(torch.float32).min and cast to the compute dtype. In "
