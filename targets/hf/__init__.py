@@ -1,0 +1,38 @@
+"""The HF target: a tiny ``LlamaForCausalLM`` trained by transformers' ``Trainer`` on the reference's corpus.
+
+Importing it forbids any hub access for the process (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``),
+so an accidental download fails loudly instead of fetching a model; everything is built locally.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from targets import Target  # noqa: E402
+from targets.hf import seams as _seams  # noqa: E402
+
+
+def _recipes() -> dict:
+    from targets.hf.recipes import RECIPES
+
+    return RECIPES
+
+
+def _run_case(*args, **kwargs) -> dict:
+    from targets.hf.case import run_case
+
+    return run_case(*args, **kwargs)
+
+
+TARGET = Target(
+    name="hf",
+    seams=lambda: dict(_seams.SEAMS),
+    resolve=_seams.resolve,
+    recipes=_recipes,
+    run_case=_run_case,
+    clean_guarantees=("tests.hf.test_generate", "tests.hf.test_padding", "tests.hf.test_accumulation",
+                      "tests.hf.test_resume", "tests.hf.test_ddp", "tests.hf.test_convergence"),
+)

@@ -1,0 +1,127 @@
+"""One case on the HF target: a recipe, a seed, a detector suite; faults are injected by the caller.
+
+Train (resume recipes: train to ``resume_at`` with a save, then a fresh Trainer resumes from that
+checkpoint), evaluate, decode a few prompts with ``generate`` (DynamicCache), and return the record of
+``harness.case`` (history, crash, val_loss, findings, outputs, timings). Never raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from detectors.api import RunContext
+from harness.case import Suite, empty_record, final_state
+from targets.hf.hooks import StepRecorder, checkpoint_dir
+from targets.hf.recipes import RECIPES
+from targets.hf.run import HFRun, build_run, evaluate
+from targets.hf.seams import SEAMS, resolve
+
+DECODE_PROMPTS, DECODE_TOKENS = 4, 8
+
+
+def seams_on_traceback(tb) -> list[str]:
+    """The seams whose code is on a traceback (``module.qualname`` in the seam table), innermost last."""
+    names = [f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}" for frame, _ in traceback.walk_tb(tb)]
+    return [n for n in names if n in SEAMS]
+
+
+def crash_record(exc: BaseException, step: int | None) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc)[:500], "step": step,
+            "frames": seams_on_traceback(exc.__traceback__),
+            "traceback": "".join(traceback.format_exception(exc))[-4000:]}
+
+
+def _train(run: HFRun, suite, out: dict, **recorder) -> None:
+    """``trainer.train()`` with the step recorder (and the suite's hooks) attached; history into ``out``."""
+    recorder_cb = StepRecorder(run, suite, **{k: v for k, v in recorder.items() if k != "resume"})
+    start, done = time.perf_counter(), len(run.history)
+    try:
+        run.trainer.train(resume_from_checkpoint=recorder.get("resume"))
+    finally:
+        recorder_cb.detach()
+        out["train_s"] += time.perf_counter() - start
+        out["history"] += [r.to_dict() for r in run.history[done:]]
+        out["outputs"]["positions"] += sum(r.tokens for r in run.history[done:])
+
+
+def decode(run: HFRun) -> dict:
+    """Greedy ``generate`` (KV cache) from the first tokens of the ``DECODE_PROMPTS`` longest val documents,
+    left-padded: {"decoded": (B, DECODE_TOKENS) lists, "decode_logits": sha1 of every step's logits}."""
+    texts = sorted(run.texts.val, key=len)[-DECODE_PROMPTS:]
+    ids = [run.tokenizer(t, truncation=True)["input_ids"][: 3 + 2 * i] for i, t in enumerate(texts)]
+    tok = run.tokenizer
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        batch = tok.pad({"input_ids": ids}, return_tensors="pt")
+    finally:
+        tok.padding_side = side
+    model = run.model.eval()
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    logits = torch.stack(out.logits, 1).float()
+    return {"decoded": out.sequences[:, batch["input_ids"].shape[1]:].tolist(),
+            "decode_logits": hashlib.sha1(logits.numpy().tobytes()).hexdigest()}
+
+
+def run_case(recipe: str, seed: int, detectors=(), golden: dict | None = None, rank: int = 0,
+             workdir: str | None = None) -> dict:
+    """The record of one case (see module doc); ``workdir`` holds checkpoints (the same on every rank)."""
+    with tempfile.TemporaryDirectory(prefix="faultbench-hf-") as tmp:
+        return _run(RECIPES[recipe], seed, tuple(detectors), golden, rank, Path(workdir or tmp))
+
+
+def _run(recipe, seed: int, detectors: tuple, golden, rank: int, workdir: Path) -> dict:
+    out = empty_record_for(recipe.name, seed, detectors, rank)
+    start = time.perf_counter()
+    ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
+    suite = None
+    try:
+        ctx.run = build_run(recipe, seed, workdir, rank)
+        suite = Suite(detectors, ctx)
+        if recipe.resume_at is None:
+            _train(ctx.run, suite, out)
+        else:
+            _train(ctx.run, suite, out, stop_at=recipe.resume_at)
+            path = checkpoint_dir(str(workdir), recipe.resume_at)
+            resumed = build_run(recipe, seed, workdir, rank)
+            ctx.run = resumed
+            out["resumed_at"] = recipe.resume_at
+            _train(resumed, suite, out, begin_hook="on_checkpoint_load", checkpoint=path, resume=path)
+        ctx.phase = "eval"
+        out["val_loss"] = evaluate(ctx.run)
+        out["outputs"].update(decode(ctx.run))
+        suite.fire("on_end", {"val_loss": out["val_loss"]})
+    except Exception as exc:  # the crash is the outcome
+        out["crash"] = crash_record(exc, ctx.run.step if ctx.run is not None else None)
+        if suite is not None:
+            suite.fire("on_crash", out["crash"])
+    if ctx.run is not None:
+        out["outputs"].update(final_state(ctx.run))
+    out["wall_s"] = time.perf_counter() - start
+    if suite is not None:
+        out.update(findings=[f.to_dict() for f in suite.findings()], detector_errors=suite.errors,
+                   step_seconds=suite.step_seconds, other_seconds=suite.other_seconds, summaries=suite.summaries())
+    return out
+
+
+def empty_record_for(recipe: str, seed: int, detectors: tuple, rank: int) -> dict:
+    """``harness.case.empty_record`` with this target's case description."""
+    from harness.case import Case
+
+    record = empty_record(Case(recipe, seed, (), detectors), rank)
+    record["case"]["target"] = "hf"
+    return record
+
+
+def run_case_on_rank(rank: int, recipe: str, seed: int, detectors=(), golden: dict | None = None,
+                     workdir: str | None = None) -> dict:
+    """``harness.launch.RankPool`` entry: the case on this rank (the process group is initialized)."""
+    torch.set_num_threads(1)
+    return run_case(recipe, seed, detectors, golden, rank, workdir)
