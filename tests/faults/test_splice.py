@@ -1,13 +1,18 @@
 """The spliced copy of model/: no trace of the machinery, tracebacks that name the seam, undone injection."""
 
+import dis
+import inspect
+import linecache
 import re
+import types
 from pathlib import Path
 
 import pytest
 
-from faults.inject import injected, render_tree
+from faults.inject import fault_function_source, injected, render_tree
 from faults.registry import all_faults
 from harness.scenario import run_scenario
+from model.seams import SEAMS, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = all_faults()
@@ -16,12 +21,20 @@ FAULTS = all_faults()
 
 
 @pytest.mark.parametrize("fault_id", sorted(FAULTS))
-def test_spliced_tree_has_no_trace_of_the_machinery(tmp_path, fault_id):
+def test_spliced_tree_has_the_fault_and_no_trace_of_the_machinery(tmp_path, fault_id):
+    spec = FAULTS[fault_id]
     tree = render_tree(tmp_path / "copy", [fault_id])
     for path in (tree / "model").rglob("*.py"):
         text = path.read_text()
         assert fault_id not in text
         assert not re.search(r"\bfaults?\b|inject", text, re.IGNORECASE), path
+    # the fault's body stands in each seam's module; every other module is the clean one
+    spliced = {_source_file(seam) for seam in spec.seams}
+    for seam, fn in spec.replacements.items():
+        assert fault_function_source(seam, fn) in (tree / _source_file(seam)).read_text(), seam
+    for path in (ROOT / "model").rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        assert ((tree / rel).read_text() == path.read_text()) == (rel not in spliced), rel
 
 
 def test_traceback_names_the_seam_not_the_fault_module():
@@ -35,18 +48,54 @@ def test_traceback_names_the_seam_not_the_fault_module():
         assert "faults/" not in out.crash["traceback"] and 'File "' + str(ROOT / "model") in out.crash["traceback"]
 
 
-def test_injection_is_undone_on_exit():
-    import model.loss
+def _source_file(seam: str) -> Path:
+    return Path(inspect.getsourcefile(inspect.unwrap(resolve(seam)))).relative_to(ROOT)
 
-    before = model.loss.lm_loss.__code__
-    with injected(*sorted(FAULTS)[:1]):
-        pass
-    assert model.loss.lm_loss.__code__ is before
-    fid = next(f for f, s in FAULTS.items() if "model.loss.lm_loss" in s.seams)
-    with injected(fid):
-        assert model.loss.lm_loss.__code__ is not before
-        assert model.loss.lm_loss.__code__.co_filename == model.loss.__file__
-    assert model.loss.lm_loss.__code__ is before
+
+def _instructions(code: types.CodeType) -> tuple:
+    """What a code object runs, line numbers aside: its (opname, argument) pairs, nested code included."""
+    return tuple((i.opname, _instructions(i.argval) if isinstance(i.argval, types.CodeType) else i.argval)
+                 for i in dis.get_instructions(code))
+
+
+def _seam_code() -> dict[str, types.CodeType]:
+    """The code object each seam of the table runs now."""
+    return {seam: inspect.unwrap(resolve(seam)).__code__ for seam in SEAMS}
+
+
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
+def test_injection_runs_the_fault_in_its_seams_only_and_is_undone_on_exit(fault_id):
+    spec = FAULTS[fault_id]
+    before = _seam_code()
+    with injected(fault_id):
+        inside = _seam_code()
+    for seam, fn in spec.replacements.items():
+        assert _instructions(inside[seam]) == _instructions(inspect.unwrap(fn).__code__), f"{seam} runs no fault"
+        assert inside[seam].co_filename == before[seam].co_filename  # tracebacks name the seam's file
+    changed = [s for s in SEAMS if s not in spec.seams and _instructions(inside[s]) != _instructions(before[s])]
+    assert changed == [], "seams the fault does not replace ran other code"
+    assert {s for s, code in _seam_code().items() if code is not before[s]} == set()
+
+
+def test_injection_is_undone_when_the_run_raises():
+    """A corpus built under a tokenizer fault and a data fault, then an error: on exit the seams, the spliced
+    source lines and the tokenizer's disk cache are the clean ones again, and the corpus is rebuilt clean."""
+    import model.tokenizer
+    from model.config import DataConfig
+    from model.data import load_corpus
+
+    cfg = DataConfig(num_docs=300)  # small: the faulty tokenizer trains from scratch in a private cache
+    clean_corpus = load_corpus(cfg)
+    files = {str(ROOT / _source_file(s)) for s in SEAMS}
+    before, lines, shared_cache = _seam_code(), {f: linecache.cache.get(f) for f in files}, model.tokenizer.cache_dir()
+    with pytest.raises(RuntimeError, match="mid-run"), injected("missing_bos", "truncation_drops_eos"):
+        assert model.tokenizer.cache_dir() != shared_cache
+        assert load_corpus(cfg).train != clean_corpus.train
+        raise RuntimeError("mid-run")
+    assert {s for s, code in _seam_code().items() if code is not before[s]} == set()
+    assert {f for f in files if linecache.cache.get(f) != lines[f]} == set()
+    assert model.tokenizer.cache_dir() == shared_cache
+    assert load_corpus(cfg).train == clean_corpus.train
 
 
 def test_several_faults_compose_and_two_on_one_seam_are_refused():
