@@ -7,12 +7,18 @@ loaded on first lookup; plugins register through the same decorators (``load_plu
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import difflib
+import dis
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
+import textwrap
+import traceback
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,21 +87,65 @@ class FaultError(ValueError):
     """An invalid fault definition, or an unknown fault id."""
 
 
+def _header(fn: Callable) -> str:
+    """``fn``'s parameters as written (names, kinds, defaults), without annotations: ``(a, b=1, *, c)``."""
+    params = [p.replace(annotation=p.empty) for p in inspect.signature(fn).parameters.values()]
+    return str(inspect.Signature(params))
+
+
+def _code_tree(code: types.CodeType):
+    """``code`` and every code object nested in it (inner functions, lambdas, comprehensions)."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_tree(const)
+
+
+def _spliced_code(seam: str, fn: Callable) -> types.CodeType:
+    """The code object ``fn``'s source compiles to where the splice puts it: at module level, or in a class
+    body for a method seam (where a zero-argument ``super()`` makes ``__class__`` a closure variable)."""
+    target = inspect.unwrap(resolve(seam))
+    text = textwrap.dedent(inspect.getsource(fn))
+    if "." in target.__qualname__:
+        text = "class Seam:\n" + textwrap.indent(text, "    ")
+    # ``annotations`` is the __future__ feature imported above: compile as the seam's module does (PEP 563)
+    future = vars(sys.modules[target.__module__]).get("annotations") is annotations
+    code = compile(text, "<fault>", "exec", flags=annotations.compiler_flag if future else 0)
+    return next(c for c in _code_tree(code) if c.co_name == fn.__name__)
+
+
 def _check_function(seam: str, fn: Callable) -> None:
-    """Same signature as the seam, a docstring, and only globals the seam's module also has."""
-    # same names, kinds and defaults: the spliced copy keeps the seam's header
-    want = [(p.name, p.kind, p.default) for p in inspect.signature(inspect.unwrap(resolve(seam))).parameters.values()]
-    got = [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
-    if want != got:
-        raise FaultError(f"{fn.__name__} must have the signature of {seam} (names and defaults): {want}, got {got}")
+    """Same signature as the seam, a docstring, globals the seam's module (or the builtins) defines, and the
+    seam's closure variables: the body runs spliced into the seam's module, under the seam's header."""
+    target = inspect.unwrap(resolve(seam))
+    where = f"{fn.__module__}.{fn.__name__}"
+    if _header(fn) != _header(target):  # same names, kinds and defaults: the spliced copy keeps the seam's header
+        raise FaultError(f"{where} must have the signature of {seam} (names, kinds and defaults): "
+                         f"{_header(target)}, got {_header(fn)}")
     if not inspect.getdoc(fn):
-        raise FaultError(f"{fn.__module__}.{fn.__name__} needs a docstring saying what is wrong")
-    # spliced into the seam's module, the function sees that module's globals, not its own
-    seam_globals = vars(sys.modules[inspect.unwrap(resolve(seam)).__module__])
-    missing = [n for n in inspect.getclosurevars(fn).globals if n not in seam_globals]
-    if missing:
-        raise FaultError(f"{fn.__name__} uses {missing}, which {seam}'s module does not define; import them "
-                         "inside the function")
+        raise FaultError(f"{where} needs a docstring saying what is wrong")
+    try:
+        code = _spliced_code(seam, fn)
+    except (OSError, SyntaxError) as e:  # no source to splice (defined in a REPL or exec), or it does not compile
+        raise FaultError(f"{where} cannot be spliced into {seam}: {e}") from None
+    seam_globals = vars(sys.modules[target.__module__])
+    names = {"LOAD_GLOBAL": set(), "STORE_GLOBAL": set()}  # a name the body stores as a global is defined
+    for c in _code_tree(code):
+        for i in dis.get_instructions(c):
+            names.get(i.opname, set()).add(i.argval)
+    unknown = sorted(n for n in names["LOAD_GLOBAL"] - names["STORE_GLOBAL"]
+                     if n not in seam_globals and not hasattr(builtins, n))
+    local_only = [n for n in unknown if n in fn.__globals__]
+    if local_only:
+        raise FaultError(f"{where} uses {', '.join(local_only)}, which {seam}'s module does not define; import "
+                         "them inside the function")
+    if unknown:
+        raise FaultError(f"{where} uses undefined name(s) {', '.join(unknown)} (neither {target.__module__}'s "
+                         "globals nor builtins)")
+    if code.co_freevars != target.__code__.co_freevars:
+        raise FaultError(f"{where} closes over {list(code.co_freevars)} where {seam} closes over "
+                         f"{list(target.__code__.co_freevars)} (e.g. a zero-argument super()): it cannot replace "
+                         "the seam's code")
 
 
 def _validate(spec: FaultSpec) -> None:
@@ -172,20 +222,35 @@ def _load_entry_points() -> None:
 
 
 def load_plugin(path_or_module: str) -> None:
-    """Import a plugin (a .py file or a module name) that registers faults (or detectors)."""
+    """Import a plugin (a .py file or a module name) that registers faults (or detectors); a plugin that cannot
+    be imported raises ``FaultError`` with a one-line reason (the file:line of a syntax error)."""
     path = Path(path_or_module)
-    if path.suffix == ".py":
-        if not path.exists():
-            raise FaultError(f"plugin file {path} does not exist")
-        name = f"faultbench_plugin_{path.stem}"
-        if name in sys.modules:
-            return
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    else:
-        importlib.import_module(path_or_module)
+    if path.suffix != ".py" and (path.exists() or os.sep in path_or_module):
+        raise FaultError(f"plugin {path_or_module} is not a .py file nor a module name")
+    if path.suffix == ".py" and not path.is_file():
+        raise FaultError(f"plugin file {path} does not exist")
+    name = f"faultbench_plugin_{path.stem}" if path.suffix == ".py" else path_or_module
+    if name in sys.modules:
+        return
+    try:
+        if path.suffix == ".py":
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(path_or_module)
+    except FaultError:
+        sys.modules.pop(name, None)  # so a corrected plugin loads on the next try
+        raise
+    except SyntaxError as e:
+        sys.modules.pop(name, None)
+        raise FaultError(f"plugin {e.filename}:{e.lineno}: {e.msg}") from None
+    except Exception as e:  # an import that fails: where in the plugin, and why
+        sys.modules.pop(name, None)
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path.resolve())]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        raise FaultError(f"plugin {path_or_module} failed to import{where}: {type(e).__name__}: {e}") from None
 
 
 def all_faults() -> dict[str, FaultSpec]:
