@@ -29,47 +29,73 @@ def test_reference_keeps_the_contract():
         assert violations(collate, side) == {}
 
 
-def test_inverted_mask_and_pad_labels_and_width():
-    def inverted(docs, pad_id, pad_side="right", ignore_index=-100):
+def test_fixed_length_padding_keeps_the_contract():
+    """Padding every batch to a fixed width is a legitimate design, not a violation."""
+    def fixed(docs, pad_id, pad_side="right", ignore_index=-100):
+        batch = collate([*docs, [1] + [5] * 30 + [2]], pad_id, pad_side, ignore_index)
+        return {k: v[: len(docs)] for k, v in batch.items()}
+
+    for side in ("right", "left"):
+        assert violations(fixed, side) == {}
+
+
+def _edit(key, change):
+    """A collate whose ``key`` tensor is passed through ``change(tensor, batch, docs)``: a hand-broken variant."""
+    def broken(docs, pad_id, pad_side="right", ignore_index=-100):
         batch = collate(docs, pad_id, pad_side, ignore_index)
-        return {**batch, "attention_mask": 1 - batch["attention_mask"]}
-
-    def pad_labels(docs, pad_id, pad_side="right", ignore_index=-100):
-        batch = collate(docs, pad_id, pad_side, ignore_index)
-        labels = torch.where(batch["attention_mask"].bool(), batch["labels"], pad_id)
-        return {**batch, "labels": labels}
-
-    def unpadded_none(docs, pad_id, pad_side="right", ignore_index=-100):
-        batch = collate(docs, pad_id, pad_side, ignore_index)
-        return {**batch, "attention_mask": None} if bool(batch["attention_mask"].all()) else batch
-
-    assert "mask" in violations(inverted, "right")
-    assert "labels" in violations(pad_labels, "right")
-    assert "mask" in violations(unpadded_none, "left")
+        return {**batch, key: change(batch[key].clone(), batch, docs)}
+    return broken
 
 
-def test_labels_at_the_right_padding_offset_break_left_padding():
-    def right_offset(docs, pad_id, pad_side="right", ignore_index=-100):
-        batch = collate(docs, pad_id, pad_side, ignore_index)
-        labels = torch.full_like(batch["labels"], ignore_index)
-        for row, ids in enumerate(docs):
-            labels[row, 1 : len(ids)] = torch.tensor(ids[1:])
-        return {**batch, "labels": labels}
+def _mask_bos(mask, batch, docs):
+    mask[torch.arange(mask.shape[0]), mask.argmax(1)] = 0  # each row's first real token (BOS) hidden
+    return mask
 
-    assert violations(right_offset, "right") == {}
-    assert "labels" in violations(right_offset, "left")
+
+def _labels_pre_shifted(labels, batch, docs):
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+
+
+def _positions_from_column_0(positions, batch, docs):
+    return torch.arange(positions.shape[1]).expand_as(positions).clone()
+
+
+def _rows_reversed(ids, batch, docs):
+    return ids.flip(0)
+
+
+@pytest.mark.parametrize("change, side, kind", [
+    (_mask_bos, "right", "mask"),
+    (_labels_pre_shifted, "right", "labels"),
+    (_positions_from_column_0, "left", "positions"),
+    (_rows_reversed, "right", "input_ids"),
+], ids=["mask_hides_bos", "labels_pre_shifted", "positions_from_column_0", "rows_reversed"])
+def test_hand_broken_collates_are_flagged(change, side, kind):
+    key = {"mask": "attention_mask", "labels": "labels", "positions": "position_ids", "input_ids": "input_ids"}[kind]
+    assert kind in violations(_edit(key, change), side)
+
+
+def test_collate_that_cuts_documents_is_flagged():
+    def cut(docs, pad_id, pad_side="right", ignore_index=-100):
+        return collate([d[:5] for d in docs], pad_id, pad_side, ignore_index)
+
+    assert "width" in violations(cut, "right")
+
+
+def test_labels_that_ignore_the_padding_side_break_left_padding():
+    def labels_of_right_padding(docs, pad_id, pad_side="right", ignore_index=-100):
+        return {**collate(docs, pad_id, pad_side, ignore_index),
+                "labels": collate(docs, pad_id, "right", ignore_index)["labels"]}
+
+    assert violations(labels_of_right_padding, "right") == {}
+    assert "labels" in violations(labels_of_right_padding, "left")
 
 
 def test_detector_reports_collate(run):
     det = CollateContract()
     det.on_start(context(run))
     assert not det.findings
-
-    def wide(docs, pad_id, pad_side="right", ignore_index=-100):
-        batch = collate([*docs, [1] + [5] * 62 + [2]], pad_id, pad_side, ignore_index)
-        return {k: v[: len(docs)] for k, v in batch.items()}
-
     det = CollateContract()
-    det.on_start(context(run, **{"model.data.collate": wide}))
+    det.on_start(context(run, **{"model.data.collate": _edit("attention_mask", _mask_bos)}))
     assert [(f.subsystem, f.seam) for f in det.findings] == [("collate", "model.data.collate")]
-    assert "width" in det.findings[0].evidence["problems"]
+    assert "mask" in det.findings[0].evidence["problems"]

@@ -1,7 +1,10 @@
 """The detector suite on the bench's cases: every fault found and localized, every clean recipe silent.
 
-One seed here (the bench runs three). A documented blind spot is an ``xfail(strict=True)``: when a
-detector starts catching it, the test fails until the entry is removed.
+Localized means both headline scores of the bench: the top-ranked finding names an acceptable subsystem
+(Top-1 subsystem), and the first seam of the ranked findings is one the fault replaces (Top-1 seam, as
+``harness.score`` counts it: findings without a seam skipped). Seeds 0 and 1 here (the bench runs
+three). A documented blind spot is an ``xfail(strict=True)`` keyed by fault id: when a detector starts
+catching it, the test fails until the entry is removed.
 """
 
 import pytest
@@ -11,12 +14,13 @@ from faults.registry import all_faults
 from harness.case import RECIPES, Case, execute, recipe_for
 from harness.golden import load_golden
 
+SEEDS = (0, 1)
 BLIND_SPOTS: dict[str, str] = {}
 
 
-def _run(recipe: str, faults, pool) -> dict:
+def _run(recipe: str, faults, pool, seed: int = 0) -> dict:
     golden = load_golden([recipe], pool if RECIPES[recipe].world_size > 1 else None)[recipe]
-    case = Case(recipe, 0, tuple(faults), tuple(resolve_ids(["suite"])))
+    case = Case(recipe, seed, tuple(faults), tuple(resolve_ids(["suite"])))
     return execute(case, golden, pool if RECIPES[recipe].world_size > 1 else None)
 
 
@@ -25,7 +29,13 @@ def _params():
         marks = [pytest.mark.xdist_group("ddp_suite")] if RECIPES[recipe_for(spec.manifest)].world_size > 1 else []
         if fault_id in BLIND_SPOTS:
             marks.append(pytest.mark.xfail(strict=True, reason=BLIND_SPOTS[fault_id]))
-        yield pytest.param(fault_id, marks=marks, id=fault_id)
+        for seed in SEEDS:
+            yield pytest.param(fault_id, seed, marks=marks, id=f"{fault_id}-s{seed}")
+
+
+def top_seam(findings: list[dict]) -> str | None:
+    """The first seam of the ranked findings (findings without a seam skipped), as the scorer's Top-1 seam."""
+    return next((f["seam"] for f in findings if f["seam"] is not None), None)
 
 
 @pytest.fixture
@@ -35,16 +45,19 @@ def pool_for(request):
     return get
 
 
-@pytest.mark.parametrize("fault_id", list(_params()))
-def test_suite_finds_and_localizes_the_fault(fault_id, pool_for):
+@pytest.mark.parametrize(("fault_id", "seed"), list(_params()))
+def test_suite_finds_and_localizes_the_fault(fault_id, seed, pool_for):
     spec = all_faults()[fault_id]
     recipe = recipe_for(spec.manifest)
-    record = _run(recipe, (fault_id,), pool_for(recipe))
+    record = _run(recipe, (fault_id,), pool_for(recipe), seed)
     assert not record["detector_errors"], record["detector_errors"]
-    assert record["findings"], f"no detector fired on {fault_id} ({recipe})"
+    assert record["findings"], f"no detector fired on {fault_id} ({recipe}, seed {seed})"
     top = record["findings"][0]
     acceptable = {spec.subsystem, *spec.also_acceptable}
-    assert top["subsystem"] in acceptable, f"top finding names {top['subsystem']} ({top['message']}), not {acceptable}"
+    assert top["subsystem"] in acceptable, (f"top finding ({top['detector']}) names {top['subsystem']} "
+                                            f"({top['message']}), not {acceptable}")
+    seam = top_seam(record["findings"])
+    assert seam in spec.seams, f"the first seam of the ranked findings is {seam}, not one of {spec.seams}"
 
 
 @pytest.mark.parametrize("recipe", [
