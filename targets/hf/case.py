@@ -17,7 +17,7 @@ import torch
 
 from detectors.api import RunContext
 from harness.case import Suite, empty_record, final_state
-from targets.hf.hooks import StepRecorder, checkpoint_dir
+from targets.hf.hooks import checkpoint_dir, train
 from targets.hf.recipes import RECIPES
 from targets.hf.run import HFRun, build_run, evaluate
 from targets.hf.seams import SEAMS, resolve
@@ -37,14 +37,12 @@ def crash_record(exc: BaseException, step: int | None) -> dict:
             "traceback": "".join(traceback.format_exception(exc))[-4000:]}
 
 
-def _train(run: HFRun, suite, out: dict, **recorder) -> None:
-    """``trainer.train()`` with the step recorder (and the suite's hooks) attached; history into ``out``."""
-    recorder_cb = StepRecorder(run, suite, **{k: v for k, v in recorder.items() if k != "resume"})
+def _train(run: HFRun, suite, out: dict, **kwargs) -> None:
+    """``hooks.train`` whose step records (and time, and tokens) go into ``out`` even if it crashes."""
     start, done = time.perf_counter(), len(run.history)
     try:
-        run.trainer.train(resume_from_checkpoint=recorder.get("resume"))
+        train(run, suite, **kwargs)
     finally:
-        recorder_cb.detach()
         out["train_s"] += time.perf_counter() - start
         out["history"] += [r.to_dict() for r in run.history[done:]]
         out["outputs"]["positions"] += sum(r.tokens for r in run.history[done:])

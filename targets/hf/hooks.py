@@ -86,6 +86,20 @@ class StepRecorder(TrainerCallback):
         self.handles = []
 
 
+def train(run, suite=None, resume: str | None = None, **recorder) -> list:
+    """``run.trainer.train()`` with a ``StepRecorder`` (and ``suite``'s hooks) attached, resuming from the
+    checkpoint folder ``resume`` if given; returns this call's ``StepRecord``s (also in ``run.history``).
+    ``recorder``: ``StepRecorder``'s begin_hook, checkpoint and stop_at."""
+    done = len(run.history)
+    recorder_cb = StepRecorder(run, suite, **recorder)
+    try:
+        run.trainer.train(resume_from_checkpoint=resume)
+    finally:
+        recorder_cb.detach()
+        run.trainer.remove_callback(recorder_cb)
+    return run.history[done:]
+
+
 def checkpoint_dir(output_dir: str, step: int) -> str:
     """Where Trainer saves the checkpoint of ``step`` (its ``checkpoint-{global_step}`` convention)."""
     return f"{output_dir}/checkpoint-{step}"
