@@ -178,7 +178,8 @@ def recipe_for(manifest) -> str:
     fit = recipes_for(manifest)
     if not fit:
         closest = min(RECIPES.values(), key=lambda r: len(unmet(manifest, r)))
-        raise NotRunnable(f"no recipe of the matrix has what the fault needs (closest, {closest.name}, lacks "
+        wanted = ", ".join(f"{s}.{k}={v}" for (s, k), v in needs(manifest).items())
+        raise NotRunnable(f"needs {wanted}: no recipe has all of it (closest, {closest.name}, lacks "
                           f"{', '.join(unmet(manifest, closest))})")
     return fit[0]
 
@@ -334,8 +335,9 @@ def _train_until(run, suite: Suite, until: int, out: dict, capture=None) -> None
         finally:
             suite.in_step = False
         out["train_s"] += time.perf_counter() - start
-        out["history"].append({k: (float(v) if isinstance(v, torch.Tensor) else v)
-                               for k, v in record.to_dict().items()})
+        # the record's own fields, not ``to_dict``: its deep copy raises on a loss tensor that holds a graph
+        fields = {**vars(record), "tokens_per_s": record.tokens_per_s}
+        out["history"].append({k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
 
 
 def run_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str | None = None,

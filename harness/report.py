@@ -13,8 +13,9 @@ from harness.score import SUITE
 COLUMNS = ("case", "fault", "recipe", "seed", "detector", "detected", "findings", "first_step", "latency",
            "top1_subsystem", "top3_subsystem", "rr_subsystem", "top1_seam", "top3_seam", "rr_seam",
            "manifested", "crash", "hang", "train_s", "step_s", "other_s", "error")
-SCORE_COLUMNS = (("fault_cases", "shown"), ("not_shown_cases", "not shown"), ("detection_rate", "detect"), ("false_positive_rate", "FP"), ("top1_subsystem", "top1 sub"),
-                 ("top3_subsystem", "top3 sub"), ("mrr_subsystem", "MRR sub"), ("top1_seam", "top1 seam"),
+SCORE_COLUMNS = (("fault_cases", "shown"), ("not_shown_cases", "not shown"), ("detection_rate", "detect"),
+                 ("false_positive_rate", "FP"), ("top1_subsystem", "top1 sub"), ("top3_subsystem", "top3 sub"),
+                 ("mrr_subsystem", "MRR sub"), ("top1_seam", "top1 seam"),
                  ("top3_seam", "top3 seam"), ("mrr_seam", "MRR seam"), ("median_latency_steps", "latency"),
                  ("overhead_ratio", "overhead"), ("hook_s", "hook s"), ("errors", "errors"))
 

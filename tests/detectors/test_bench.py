@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from detectors.api import DETECTORS, resolve_ids
-from faults.registry import FAULTS, all_faults
+from faults.registry import FAULTS, Manifest, all_faults
 from harness.bench import BenchConfig, build_matrix, run_bench
-from harness.case import RECIPES, Case, recipe_for, run_case
+from harness.case import MIN_SUBSYSTEMS, RECIPES, Case, NotRunnable, recipe_for, run_case, unmet
 
 PLUGIN = str(Path(__file__).with_name("bench_plugin.py"))
 TEST_DETECTORS = ("test_raises_on_start", "test_reports_every_run")
@@ -59,11 +59,88 @@ def test_finished_cases_are_cached_and_reused(plugin_bench, monkeypatch):
 def test_the_matrix_has_every_fault_per_seed_and_the_clean_matrix():
     cases, faults = build_matrix(BenchConfig(seeds=(0, 1), detectors=("suite",)))
     faulty = [c for c in cases if c.faults]
-    assert len(faulty) == 2 * len(faults)
+    assert {(c.faults[0], c.seed) for c in faulty} == {(f, s) for f in faults for s in (0, 1)}
     assert {c.recipe for c in cases if not c.faults} == set(RECIPES)
-    # each fault runs in the recipe its manifest points to, which the clean matrix also covers
+    # each fault runs only in recipes that have everything its manifest needs, the clean matrix covers them
     specs = all_faults()
-    assert all(c.recipe == recipe_for(specs[c.faults[0]].manifest) for c in faulty)
+    assert all(not unmet(specs[c.faults[0]].manifest, RECIPES[c.recipe]) for c in faulty)
+    assert not any(m.get("not_runnable") for m in faults.values())  # every builtin fault can show somewhere
+
+
+def test_no_recipe_narrows_the_answer():
+    """A detector that recognises a recipe's config must not learn the fault's subsystem from it."""
+    cases, faults = build_matrix(BenchConfig(seeds=(0,), detectors=("suite",)))
+    held: dict[str, set] = {}
+    for c in cases:
+        if c.faults:
+            held.setdefault(c.recipe, set()).add(faults[c.faults[0]]["subsystem"])
+    narrow = {r: sorted(s) for r, s in held.items() if len(s) < MIN_SUBSYSTEMS}
+    assert MIN_SUBSYSTEMS >= 3 and not narrow, f"recipes that give the subsystem away: {narrow}"
+
+
+def test_the_matcher_meets_the_whole_variant_and_ignores_only_tuning_knobs():
+    def home(scenario="train", steps=10, **variant):
+        return recipe_for(Manifest(check="crash", scenario=scenario, steps=steps, variant=variant))
+
+    # fp16 under a resume with accumulation: only the combined recipe has all three (the old choice: resume)
+    assert home("resume", train={"precision": "fp16", "accum": 4}) == "combined"
+    assert home("ddp_resume", train={"precision": "fp16"}, data={"pad_side": "left"}) == "ddp_combined"
+    assert home(train={"precision": "fp16"}, data={"pad_side": "left"}) == "combined"  # not fp16's right padding
+    assert home(model={"dropout": 0.1}) == "resume"  # the plainest recipe with dropout
+    assert home(steps=30, data={"num_docs": 200}) == "combined"  # 30 steps of a 200-document corpus: an epoch
+    assert home(data={"seq_len": 8, "vocab_size": 32}, model={"init_std": 0.2},
+                train={"batch_size": 12, "init_scale": 2.0**24, "grad_clip": 0.0}) == "fp32"  # tuning only
+    for scenario, variant in (("resume", {"train": {"precision": "bf16"}}), ("train", {"model": {"bias": False}}),
+                              ("ddp", {"train": {"zero": True, "accum": 2}})):
+        with pytest.raises(NotRunnable, match="lacks"):
+            home(scenario, **variant)
+
+
+def test_a_fault_no_recipe_can_show_is_not_runnable_and_gets_a_row_of_its_own(monkeypatch):
+    import dataclasses
+
+    from harness.report import blind_spot_lines
+
+    spec = dataclasses.replace(FAULTS["label_permute"], id="needs_bf16_resume", manifest=Manifest(
+        check="crash", scenario="resume", variant={"train": {"precision": "bf16"}}))
+    monkeypatch.setitem(FAULTS, spec.id, spec)
+    cases, faults = build_matrix(BenchConfig(seeds=(0,), detectors=("suite",), faults=(spec.id, "label_permute")))
+    assert {c.faults for c in cases if c.faults} == {("label_permute",)}  # never scored where it cannot show
+    assert "train.precision=bf16" in faults[spec.id]["not_runnable"]
+    entry = {"subsystem": "loss", "recipes": ["fp32"], "cases": 3, "detected": 1, "top1_subsystem": 1,
+             "top1_seam": 1, "latencies": [0], "crashed": 0}
+    per_fault = {"missed_once": {**entry, "not_shown": 1}, "silent": {**entry, "not_shown": 2}}
+    lines = blind_spot_lines({"per_fault": per_fault, "not_runnable": {spec.id: faults[spec.id]["not_runnable"]}})
+    assert "- detector missed (the fault showed, no finding) on some case: missed_once" in lines
+    assert any(line.startswith("- fault did not show") and "silent (2/3)" in line and "missed_once (1/3)" in line
+               for line in lines)
+    (row,) = [line for line in lines if line.startswith(f"| {spec.id} |")]
+    assert "train.precision=bf16" in row
+
+
+def test_a_fault_is_recorded_as_shown_only_where_its_run_differs_from_the_clean_one():
+    from harness.bench import mark_manifested
+
+    # dropout 0: eval_in_train_mode changes nothing in fp32; label_permute always does
+    cases = [Case("fp32", 0), Case("fp32", 0, ("eval_in_train_mode",)), Case("fp32", 0, ("label_permute",)),
+             Case("resume", 0), Case("resume", 0, ("eval_in_train_mode",))]
+    records = {c: run_case(c) for c in cases}
+    records[Case("left_pad", 0, ("label_permute",))] = dict(records[cases[2]])  # no clean twin in this matrix
+    mark_manifested(records)
+    shown = {(c.recipe, c.faults[0]): r["manifested"] for c, r in records.items() if c.faults}
+    assert shown == {("fp32", "eval_in_train_mode"): False, ("fp32", "label_permute"): True,
+                     ("resume", "eval_in_train_mode"): True, ("left_pad", "label_permute"): None}
+
+
+def test_a_kept_graph_shows_though_every_number_is_unchanged():
+    from harness.bench import mark_manifested
+
+    cases = [Case("fp32", 0), Case("fp32", 0, ("loss_history_keeps_graph",))]
+    records = {c: run_case(c) for c in cases}
+    clean, faulty = records.values()
+    assert [h["loss"] for h in clean["history"]] == [h["loss"] for h in faulty["history"]]
+    mark_manifested(records)
+    assert faulty["manifested"] and faulty["outputs"]["graphs_held"] > clean["outputs"]["graphs_held"] == 0
 
 
 def test_the_same_case_gives_the_same_findings():
