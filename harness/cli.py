@@ -9,6 +9,35 @@ import sys
 import torch
 
 from model.config import PAD_SIDES, PRECISIONS, PRESETS, get_preset
+from model.seams import SUBSYSTEMS
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (``faultbench bench: error: ...``), exit 2, no usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    """A count (seeds, steps, jobs, ...): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
 
 
 def _train(args) -> int:
@@ -27,6 +56,7 @@ def _train(args) -> int:
             train_overrides[key] = value
     if args.steps is not None:
         train_overrides["warmup_steps"] = min(base.train.warmup_steps, args.steps)
+    _check_batch_split(base, world, args.accum, "torchrun's WORLD_SIZE" if launched_by_torchrun else "--world-size")
     data_overrides = {"pad_side": args.pad_side} if args.pad_side else {}
     cfg = base.replace(train=train_overrides, data=data_overrides, seed=args.seed)
     log = sys.stderr if args.json else sys.stdout
@@ -56,6 +86,14 @@ def _train(args) -> int:
               f"gap {summary['gap_to_floor']:.4f}  {summary['tokens_per_s']:,.0f} tok/s  "
               f"{summary['steps']} steps in {summary['train_s']:.1f}s")
     return 0
+
+
+def _check_batch_split(base, world: int, accum: int | None, world_flag: str = "--world-size") -> None:
+    """The preset's batch (documents per optimizer step) must split into equal micro-batches on every rank."""
+    accum = accum or base.train.accum
+    if base.train.batch_size % (world * accum):
+        raise ValueError(f"{world_flag} {world} x --accum {accum} must divide the preset's batch of "
+                         f"{base.train.batch_size} documents per step (equal micro-batches on every rank)")
 
 
 def _seams(args) -> int:
@@ -123,6 +161,7 @@ def _run(args) -> int:
         get_fault(fault_id)  # unknown ids fail here, with a suggestion
     if args.detectors:
         return _run_detectors(args)
+    _check_batch_split(get_preset(args.preset), args.world_size, args.accum)
     variant = {"train": {}, "data": {}}
     if args.precision:
         variant["train"]["precision"] = args.precision
@@ -206,7 +245,11 @@ def _bench(args) -> int:
     from harness.bench import BenchConfig, run_bench
     from harness.report import print_table
 
-    seeds = (0,) if args.quick else tuple(range(args.seeds))
+    seeds = tuple(range(args.seeds or (1 if args.quick else 3)))
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a folder")
+    if args.only_plugin_faults and not args.plugin:
+        raise ValueError("--only-plugin-faults needs a --plugin that registers faults")
     cfg = BenchConfig(seeds=seeds, detectors=tuple(args.detectors or ("all",)), plugins=tuple(args.plugin or ()),
                       exclusive=not args.quick,
                       only_plugin_faults=args.only_plugin_faults, faults=tuple(args.fault) if args.fault else None,
@@ -255,22 +298,22 @@ def _practice(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="faultbench", description=__doc__)
+    parser = _Parser(prog="faultbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train the clean reference and print its summary")
     train.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    train.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
+    train.add_argument("--steps", type=_positive_int, help="optimizer steps (default: the preset's)")
     train.add_argument("--precision", choices=PRECISIONS)
     train.add_argument("--pad-side", choices=PAD_SIDES)
-    train.add_argument("--accum", type=int, help="micro-batches per optimizer step")
+    train.add_argument("--accum", type=_positive_int, help="micro-batches per optimizer step")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--world-size", type=int, default=1,
+    train.add_argument("--world-size", type=_positive_int, default=1,
                        help="data-parallel ranks (gloo on CPU); under torchrun its WORLD_SIZE wins")
     train.add_argument("--zero", action="store_true", help="shard optimizer state across ranks (ZeRO)")
-    train.add_argument("--timeout", type=float, default=3600, help="seconds before a hung rank is killed")
-    train.add_argument("--threads", type=int, default=1, help="torch threads (small models run fastest on 1)")
-    train.add_argument("--log-every", type=int, default=50)
+    train.add_argument("--timeout", type=_positive_float, default=3600, help="seconds before a hung rank is killed")
+    train.add_argument("--threads", type=_positive_int, default=1, help="torch threads (small models run fastest on 1)")
+    train.add_argument("--log-every", type=_positive_int, default=50)
     train.add_argument("--save", metavar="DIR", help="write a checkpoint here at the end")
     train.add_argument("--resume", metavar="DIR", help="continue from this checkpoint")
     train.add_argument("--json", action="store_true", help="progress on stderr; last stdout line is a JSON summary")
@@ -281,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     seams.set_defaults(func=_seams)
 
     faults = sub.add_parser("faults", help="list the registered faults")
-    faults.add_argument("--subsystem")
+    faults.add_argument("--subsystem", choices=SUBSYSTEMS)
     faults.add_argument("--plugin", action="append", help="load faults from a .py file or module (repeatable)")
     faults.add_argument("--json", action="store_true")
     faults.set_defaults(func=_faults)
@@ -296,11 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fault", action="append", required=True, help="fault id (repeatable)")
     run.add_argument("--plugin", action="append", help="load faults from a .py file or module (repeatable)")
     run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    run.add_argument("--steps", type=int, default=100)
+    run.add_argument("--steps", type=_positive_int, default=100)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--precision", choices=PRECISIONS)
     run.add_argument("--pad-side", choices=PAD_SIDES)
-    run.add_argument("--accum", type=int)
+    run.add_argument("--accum", type=_positive_int)
     run.add_argument("--world-size", type=int, default=1, choices=(1, 2))
     run.add_argument("--plot", metavar="FILE.png", help="draw loss, grad norm, LR, scale, tokens/s: faulty vs clean")
     run.add_argument("--detectors", nargs="+", metavar="ID",
@@ -324,13 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="every fault x seeds plus the clean matrix, scored; writes results/")
     bench.add_argument("--quick", action="store_true",
-                       help="one seed, and no exclusive detectors (anomaly mode needs a second run of every case)")
-    bench.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+                       help="one seed unless --seeds says otherwise, and no exclusive detectors (anomaly mode needs "
+                            "a second run of every case)")
+    bench.add_argument("--seeds", type=_positive_int, help="seeds 0..N-1 (default 3; 1 with --quick)")
     bench.add_argument("--plugin", action="append", help="load faults/detectors from a .py file or module")
     bench.add_argument("--only-plugin-faults", action="store_true", help="score only the plugins' faults")
     bench.add_argument("--fault", action="append", help="only this fault (repeatable)")
     bench.add_argument("--detectors", nargs="+", metavar="ID", help="detector ids, 'all' (default), 'suite'")
-    bench.add_argument("--jobs", type=int, default=2, help="cases run in parallel (default 2)")
+    bench.add_argument("--jobs", type=_positive_int, default=2, help="cases run in parallel (default 2)")
     bench.add_argument("--out", default="results", help="output folder (default results/)")
     bench.add_argument("--no-cache", action="store_true", help="recompute every case")
     bench.add_argument("--bundles", metavar="DIR",
@@ -344,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--dir", required=True)
     new.add_argument("--seed", type=int, help="chooses the hidden fault (default: random)")
     new.add_argument("--fault", help="this fault instead of a hidden choice (for interviewers)")
-    new.add_argument("--subsystem")
+    new.add_argument("--subsystem", choices=SUBSYSTEMS)
     new.add_argument("--difficulty", choices=("easy", "medium", "hard"))
     for name, text in (("hint", "the next staged hint"), ("check", "is the edited copy repaired?"),
                        ("reveal", "the diff, the explanation, the fix, the real bug")):
@@ -352,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("dir")
     ans = practice_sub.add_parser("answer", help="grade a diagnosis")
     ans.add_argument("dir")
-    ans.add_argument("--subsystem", required=True)
+    ans.add_argument("--subsystem", required=True, choices=SUBSYSTEMS)
     ans.add_argument("--seam")
     rubric = practice_sub.add_parser("rubric", help="what a strong debugging answer covers for one fault")
     rubric.add_argument("--fault", required=True)
