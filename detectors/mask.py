@@ -78,7 +78,7 @@ def mask_problems(mask, attention_mask: torch.Tensor, query_len: int, dtype: tor
     want = scores.float().masked_fill(~allowed, float("-inf")).softmax(-1)
     real_query = attention_mask.bool()[:, key_len - query_len:]  # (B, T_q)
     gap = (probs - want).abs().amax(-1)  # (B, T_q); NaN where not finite
-    wrong = real_query & finite & (gap > 1e-3)
+    wrong = real_query & finite & (gap > max(1e-3, 4 * torch.finfo(dtype).eps))  # bf16 rounds scores coarsely
     if wrong.any():
         leaked = (probs > 1e-4) & ~allowed & wrong[..., None]
         dropped = (probs < want * 0.5) & allowed & wrong[..., None]

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from detectors.api import RunContext
-from detectors.model import InitEnvelope, ModuleComposition, attend_diagnosis, output_kind
+from detectors.model import InitEnvelope, ModuleComposition, output_kind
+from detectors.probes import attend_diagnosis
 from model.attention import attend
 from model.run import build_run
 from model.seams import SEAMS, resolve
@@ -13,27 +14,47 @@ from model.seams import SEAMS, resolve
 CPU = torch.device("cpu")
 
 
+def _scores(q, k, attn_mask, scale=None):
+    """q k^T * scale plus the additive mask, or the causal mask (-inf) when there is none."""
+    scores = q @ k.transpose(-2, -1) * (q.size(-1) ** -0.5 if scale is None else scale)
+    if attn_mask is None:
+        return scores.masked_fill(~torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril(), float("-inf"))
+    return scores + attn_mask
+
+
+def sees_next_when_unmasked(q, k, v, attn_mask, dropout_p):
+    """Mask-free path with an off-by-one causal mask: each query sees the next key (a mask bug)."""
+    keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril(1) if attn_mask is None else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask if keep is None else keep)
+
+
+def mask_keys_reversed(q, k, v, attn_mask, dropout_p):
+    """The explicit mask applied with its key axis reversed: forbidden keys get weight (a mask bug)."""
+    return torch.softmax(_scores(q, k, None if attn_mask is None else attn_mask.flip(-1)), -1) @ v
+
+
+def scaled_by_hs(q, k, v, attn_mask, dropout_p):
+    """Scores divided by hs instead of sqrt(hs): the mask is honoured, the math is wrong (a model bug)."""
+    return torch.softmax(_scores(q, k, attn_mask, 1.0 / q.size(-1)), -1) @ v
+
+
+def unnormalized(q, k, v, attn_mask, dropout_p):
+    """exp(scores - max) @ v without dividing by the row sum: weights do not sum to one (a model bug)."""
+    scores = _scores(q, k, attn_mask)
+    return (scores - scores.amax(-1, keepdim=True)).exp() @ v
+
+
+def clamped_scores(q, k, v, attn_mask, dropout_p):
+    """Scores clamped to +-30 (a guard against overflow): right on ordinary inputs, wrong on large ones."""
+    return torch.softmax(_scores(q, k, attn_mask).clamp(-30, 30), -1) @ v
+
+
 def test_attend_diagnosis():
     assert attend_diagnosis(attend, CPU) is None
-
-    def not_causal(q, k, v, attn_mask, dropout_p):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)
-
-    def keep_convention(q, k, v, attn_mask, dropout_p):
-        scores = q @ k.transpose(-2, -1) / q.size(-1) ** 0.5
-        if attn_mask is not None:
-            scores = scores.masked_fill(attn_mask == 0, float("-inf"))
-        return torch.softmax(scores, -1) @ v
-
-    def wrong_axis(q, k, v, attn_mask, dropout_p):
-        scores = q @ k.transpose(-2, -1) / q.size(-1) ** 0.5
-        scores = scores + attn_mask if attn_mask is not None else scores.masked_fill(
-            ~torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril(), float("-inf"))
-        return torch.softmax(scores, -2) @ v
-
-    assert attend_diagnosis(not_causal, CPU)["subsystem"] == "mask"
-    assert attend_diagnosis(keep_convention, CPU)["subsystem"] == "mask"
-    assert attend_diagnosis(wrong_axis, CPU)["subsystem"] == "model"
+    got = {fn.__name__: (attend_diagnosis(fn, CPU) or {}).get("subsystem") for fn in (
+        sees_next_when_unmasked, mask_keys_reversed, scaled_by_hs, unnormalized, clamped_scores)}
+    assert got == {"sees_next_when_unmasked": "mask", "mask_keys_reversed": "mask", "scaled_by_hs": "model",
+                   "unnormalized": "model", "clamped_scores": "precision"}
 
 
 def test_output_kind():
