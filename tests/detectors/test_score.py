@@ -81,3 +81,30 @@ def test_targets_are_judged_only_when_the_suite_ran():
     lines = target_lines({"suite": suite, "targets": targets})
     assert "| suite.detection_rate | >= 0.95 | 0.900 | NO |" in lines
     assert "| suite.false_positive_rate | <= 0.0 | 0.000 | yes |" in lines
+
+
+def test_scores_count_only_cases_where_the_fault_showed_and_report_the_others_beside():
+    from harness.score import SUITE, per_fault
+
+    perfect = {f"{m}_{level}": v for level in ("subsystem", "seam") for m, v in (("top1", True), ("top3", True),
+                                                                                 ("rr", 1.0))}
+    missed = {f"{m}_{level}": v for level in ("subsystem", "seam") for m, v in (("top1", False), ("top3", False),
+                                                                                ("rr", 0.0))}
+    base = {"detector": SUITE, "fault": "f", "train_s": 1.0, "step_s": 0.0, "other_s": 0.0, "error": "", "crash": ""}
+    rows = [{**base, "recipe": "fp32", "manifested": True, "detected": True, "latency": 0, **perfect},
+            {**base, "recipe": "resume", "manifested": False, "detected": False, "latency": None, **missed},
+            {**base, "recipe": "fp32", "manifested": None, "detected": False, "latency": None, **missed}]
+    s = aggregate(rows, {})
+    assert s["fault_cases"] == 2 and s["not_shown_cases"] == 1  # a case with no clean twin counts as shown
+    assert s["detection_rate"] == 0.5 and s["top1_subsystem"] == 0.5
+    entry = per_fault(rows, {"f": FAULT})["f"]
+    assert entry["recipes"] == ["fp32", "resume"] and entry["cases"] == 3 and entry["not_shown"] == 1
+    assert entry["detected"] == 1 and entry["top1_seam"] == 1
+
+
+def test_a_case_row_carries_whether_its_fault_showed():
+    record = {"case": {"faults": ["f"], "recipe": "fp32", "seed": 0, "detectors": ["d"]}, "name": "f/fp32/s0",
+              "findings": [], "crash": None, "train_s": 1.0, "step_seconds": {}, "other_seconds": {},
+              "detector_errors": {}, "manifested": False}
+    (row,) = case_rows(record, {"f": FAULT}, suite_ids=[])
+    assert row["manifested"] is False
