@@ -28,15 +28,15 @@ def test_reference_truncate_keeps_its_contract():
     assert truncate_violations(truncate, 8, 1, 2, WORDS) == []
 
 
-def test_truncate_contract_flags_dropped_eos_and_one_past():
-    def drops_eos(ids, max_len, eos_id):
-        return ids if len(ids) <= max_len else ids[:max_len]
+def test_truncate_contract_flags_a_kept_suffix_and_one_short():
+    def keeps_suffix(ids, max_len, eos_id):
+        return ids if len(ids) <= max_len else ids[-max_len:]
 
-    def one_past(ids, max_len, eos_id):
-        return ids if len(ids) <= max_len + 1 else ids[:max_len] + [eos_id]
+    def one_short(ids, max_len, eos_id):
+        return ids if len(ids) <= max_len else ids[: max_len - 2] + [eos_id]
 
-    assert any("EOS" in p for p in truncate_violations(drops_eos, 64, 1, 2, WORDS))
-    assert any("returned 65 ids" in p for p in truncate_violations(one_past, 64, 1, 2, WORDS))
+    assert truncate_violations(keeps_suffix, 64, 1, 2, WORDS)
+    assert any("returned 63 ids" in p for p in truncate_violations(one_short, 64, 1, 2, WORDS))
 
 
 def test_reference_corpus_and_tokenizer_are_clean(run):
@@ -49,8 +49,8 @@ def test_reference_corpus_and_tokenizer_are_clean(run):
         assert not det.findings, det.findings
 
 
-class NoBosBatch:
-    """The run's tokenizer, except that encode_batch forgets BOS."""
+class NoEosBatch:
+    """The run's tokenizer, except that encode_batch drops each text's EOS."""
 
     def __init__(self, tok):
         self._tok = tok
@@ -61,21 +61,21 @@ class NoBosBatch:
         return self._tok.encode(text)
 
     def encode_batch(self, texts):
-        return [e[1:] for e in self._tok.encode_batch(texts)]
+        return [e[:-1] for e in self._tok.encode_batch(texts)]
 
     def decode(self, ids):
         return self._tok.decode(ids)
 
 
 def test_tokenizer_contract_blames_encode_batch(run):
-    tok = NoBosBatch(run.tokenizer)
+    tok = NoEosBatch(run.tokenizer)
     texts = [tok.decode(d) for d in run.corpus.train[:10]]
     assert "model.tokenizer.Tokenizer.encode_batch" in tokenizer_violations(tok, texts)
 
 
 def test_wrong_pad_id_is_blamed_on_the_caller(run):
     docs = [list(d) for d in run.corpus.train[:8]]
-    batch = collate(docs, run.config.model.vocab_size, "right")  # padded with an id past the vocabulary
+    batch = collate(docs, run.tokenizer.eos_id, "right")  # the caller passes EOS as the pad id
     det = BatchSpecialIds()
     det.on_batch(context(run), [batch])
     assert [(f.subsystem, f.seam) for f in det.findings] == [("data", "model.train.next_micro_batches")]
