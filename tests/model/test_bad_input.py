@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
-from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from model.checkpoint import CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
 from model.config import DataConfig, ModelConfig, TrainConfig, get_preset
 from model.data import collate, load_corpus
 from model.run import build_run
@@ -98,61 +101,90 @@ def test_forward_beyond_max_positions_raises(trained_model):
 
 
 @pytest.fixture(scope="module")
-def saved(tiny_cfg, tmp_path_factory):
-    run = build_run(tiny_cfg.replace(seed=3))
+def cfg(tiny_cfg):
+    # fp16 (a live GradScaler) and dropout (training draws from the RNG): no part of the state is trivial
+    return tiny_cfg.replace(model={"dropout": 0.1}, train={"precision": "fp16"}, seed=3)
+
+
+def full_state(run) -> dict:
+    """A deep copy of everything a checkpoint must carry: model, optimizer, scheduler, scaler, sampler,
+    step, step history and the global RNG states."""
+    return copy.deepcopy({
+        "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
+        "sampler": run.sampler.state_dict(), "step": run.step, "history": [r.to_dict() for r in run.history],
+        "rng": capture_rng_state(),
+    })
+
+
+def differences(a, b, path: str = "") -> list[str]:
+    """Where two nested states (dicts, lists, tuples, tensors, numbers) differ, as dotted paths."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return [] if same else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path} keys {sorted(a.keys() ^ b.keys(), key=str)}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b) or not any(isinstance(x, (dict, list, tuple, torch.Tensor)) for x in a):
+            return [] if list(a) == list(b) else [path]  # a sequence of plain values differs as a whole
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path]
+
+
+@pytest.fixture(scope="module")
+def saved(cfg, tmp_path_factory):
+    """(checkpoint directory, the run's full state when it was saved)."""
+    run = build_run(cfg)
     train(run, until=2)
-    return save_checkpoint(run, tmp_path_factory.mktemp("bad") / "ckpt")
+    return save_checkpoint(run, tmp_path_factory.mktemp("bad") / "ckpt"), full_state(run)
 
 
 @pytest.fixture
 def ckpt(saved, tmp_path):
     """A private copy of the saved checkpoint that a test may damage."""
-    return shutil.copytree(saved, tmp_path / "ckpt")
+    return shutil.copytree(saved[0], tmp_path / "ckpt")
 
 
 @pytest.fixture
-def fresh_run(tiny_cfg):
-    return build_run(tiny_cfg.replace(seed=3))
+def fresh_run(cfg):
+    return build_run(cfg)
 
 
-def assert_untouched(run, before: dict) -> None:
-    # loading verifies before it writes: a refused checkpoint leaves the run exactly as it was
-    assert run.step == 0 and run.history == []
-    for name, value in run.model.state_dict().items():
-        assert torch.equal(value, before[name]), name
+def refused(run, directory, match: str) -> None:
+    """Loading ``directory`` raises CheckpointError matching ``match`` and leaves the run exactly as it was
+    (loading verifies before it writes)."""
+    before = full_state(run)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(run, directory)
+    assert differences(full_state(run), before) == []
 
 
-def snapshot(run) -> dict:
-    return {k: v.clone() for k, v in run.model.state_dict().items()}
-
-
-def test_good_checkpoint_loads(ckpt, fresh_run):
+def test_good_checkpoint_restores_the_whole_state(saved, ckpt, fresh_run):
+    # the resuming process drew random numbers of its own before loading: the load must replace them
+    random.random(), np.random.rand(), torch.rand(1)
+    before = full_state(fresh_run)
     load_checkpoint(fresh_run, ckpt)
-    assert fresh_run.step == 2 and len(fresh_run.history) == 2
+    after = full_state(fresh_run)
+    assert differences(after, saved[1]) == []
+    # and every part was really restored, not equal by chance: a fresh run differs from the saved one in each
+    assert [k for k in after if not differences(before[k], saved[1][k])] == []
 
 
 def test_corrupted_state_raises(ckpt, fresh_run):
     data = bytearray((ckpt / "state.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF
     (ckpt / "state.pt").write_bytes(bytes(data))
-    before = snapshot(fresh_run)
-    with pytest.raises(CheckpointError, match="corrupted"):
-        load_checkpoint(fresh_run, ckpt)
-    assert_untouched(fresh_run, before)
+    refused(fresh_run, ckpt, "corrupted")
 
 
-def test_other_config_raises_naming_the_field(ckpt, tiny_cfg):
-    other = build_run(tiny_cfg.replace(model={"n_embd": 32}, seed=3))
-    before = snapshot(other)
-    with pytest.raises(CheckpointError, match=r"model\.n_embd: checkpoint 64 vs run 32"):
-        load_checkpoint(other, ckpt)
-    assert_untouched(other, before)
+def test_other_config_raises_naming_the_field(ckpt, cfg):
+    refused(build_run(cfg.replace(model={"n_embd": 32})), ckpt, r"model\.n_embd: checkpoint 64 vs run 32$")
 
 
-def test_other_training_config_raises(ckpt, tiny_cfg):
-    other = build_run(tiny_cfg.replace(train={"lr": 1e-3, "min_lr": 1e-4}, seed=3))
-    with pytest.raises(CheckpointError, match=r"train\.lr"):
-        load_checkpoint(other, ckpt)
+def test_other_training_config_raises(ckpt, cfg):
+    refused(build_run(cfg.replace(train={"lr": 1e-3, "min_lr": 1e-4})), ckpt, r"train\.lr")
 
 
 def test_missing_checkpoint_raises(tmp_path, fresh_run):
@@ -176,10 +208,7 @@ def test_tokenizer_mismatch_raises(ckpt, fresh_run):
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["tokenizer_sha256"] = "0" * 64
     (ckpt / "meta.json").write_text(json.dumps(meta))
-    before = snapshot(fresh_run)
-    with pytest.raises(CheckpointError, match="another tokenizer"):
-        load_checkpoint(fresh_run, ckpt)
-    assert_untouched(fresh_run, before)
+    refused(fresh_run, ckpt, "another tokenizer")
 
 
 def test_checkpoint_error_is_a_value_error():
