@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import inspect
 import os
 import random
@@ -70,7 +71,7 @@ class RunContext:
         # the raw resolver imports any dotted name (``faults.registry`` included): it stays in closures
         raw, names = self.seam_resolver, frozenset(self.seams)
         self.seam_resolver = _sealed_resolver(raw, names)
-        self._spans = lambda: _seam_spans(raw, names)
+        self._spans = functools.cache(lambda: _seam_spans(raw, names))  # the live code is fixed for a run
 
     @property
     def config(self):
