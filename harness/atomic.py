@@ -13,11 +13,15 @@ def _umask() -> int:
     return mask
 
 
-def write_text(path, text: str) -> Path:
+def write_bytes(path, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        f.write(text)
+    with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, suffix=".tmp") as f:
+        f.write(data)
     os.chmod(f.name, 0o666 & ~_umask())  # a temporary file is private (0600); the result is an ordinary file
     os.replace(f.name, path)
     return path
+
+
+def write_text(path, text: str) -> Path:
+    return write_bytes(path, text.encode())

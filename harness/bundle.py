@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -110,20 +111,61 @@ def write_bundle(directory, record: dict, capture_dir, command: list[str]) -> Pa
     return directory
 
 
-def verify(directory) -> dict:
-    """The bundle's bundle.json after checking every file against MANIFEST.sha256 (ValueError if not)."""
-    directory = Path(directory)
+REQUIRED = ("bundle.json", "finding.json", "checkpoint.pt", "metrics.jsonl")  # batch.pt may be absent
+BUNDLE_FIELDS = {"case": dict, "seed": int, "step": int, "capture": int, "rank": int, "code_digest": str}
+CASE_FIELDS = {"recipe": str, "seed": int, "faults": list, "detectors": list, "plugins": list}
+FINDING_FIELDS = ("detector", "step", "subsystem", "seam", "message")
+
+
+def _manifest(directory: Path) -> dict[str, str]:
+    """MANIFEST.sha256 as {file: sha256}; ValueError unless every line is ``<sha256>  <bundle file>`` and every
+    file of the bundle is listed."""
     manifest = directory / "MANIFEST.sha256"
-    if not manifest.exists():
+    if not manifest.is_file():
         raise ValueError(f"{directory} is not a repro bundle (no MANIFEST.sha256)")
-    for line in manifest.read_text().splitlines():
-        digest, name = line.split(maxsplit=1)
+    listed = {}
+    for number, line in enumerate(manifest.read_text(errors="replace").splitlines(), 1):
+        parts = line.split()
+        if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{64}", parts[0]) or parts[1] not in FILES:
+            raise ValueError(f"{manifest} line {number} is not '<sha256>  <one of {', '.join(FILES)}>': {line!r}")
+        listed[parts[1]] = parts[0]
+    unlisted = [n for n in FILES if n not in listed and (n in REQUIRED or (directory / n).exists())]
+    if unlisted:
+        raise ValueError(f"the bundle's MANIFEST.sha256 does not list {', '.join(unlisted)}: it was edited")
+    return listed
+
+
+def _json_file(path: Path, fields) -> dict:
+    """The JSON object in ``path``, with ``fields`` (names, or {name: type}); ValueError otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    kinds = fields if isinstance(fields, dict) else dict.fromkeys(fields, object)
+    wrong = [k for k, kind in kinds.items() if not isinstance(data, dict) or not isinstance(data.get(k), kind)]
+    if wrong:
+        raise ValueError(f"{path} lacks (or mistypes) {', '.join(wrong)}")
+    return data
+
+
+def verify(directory) -> dict:
+    """The bundle's bundle.json after checking every file against MANIFEST.sha256 and the JSON files' shape
+    (ValueError if not)."""
+    directory = Path(directory)
+    for name, digest in _manifest(directory).items():
         path = directory / name
         if not path.exists():
             raise ValueError(f"the bundle is incomplete: {name} is missing")
         if _sha256(path) != digest:
             raise ValueError(f"the bundle was modified: {name} does not match its sha256 in MANIFEST.sha256")
-    return json.loads((directory / "bundle.json").read_text())
+    meta = _json_file(directory / "bundle.json", BUNDLE_FIELDS)
+    wrong = [k for k, kind in CASE_FIELDS.items() if not isinstance(meta["case"].get(k), kind)]
+    if wrong:
+        raise ValueError(f"{directory / 'bundle.json'}: its case lacks (or mistypes) {', '.join(wrong)}")
+    finding = _json_file(directory / "finding.json", {"finding": dict})["finding"]
+    if not all(k in finding for k in FINDING_FIELDS):
+        raise ValueError(f"{directory / 'finding.json'}: its finding lacks one of {', '.join(FINDING_FIELDS)}")
+    return meta
 
 
 def _same_finding(a: dict, b: dict) -> bool:
@@ -163,11 +205,13 @@ def replay(directory) -> dict:
     """Run the bundle's case again; what came back and what differs (``reproduced``: all of it matches)."""
     from faults.registry import load_plugin
     from harness.bench import code_digest
-    from harness.case import case_from_dict
+    from harness.case import RECIPES, case_from_dict
 
     directory = Path(directory)
     meta = verify(directory)
     case = case_from_dict(meta["case"])
+    if case.recipe not in RECIPES:
+        raise ValueError(f"the bundle's recipe {case.recipe!r} is not one of this checkout's: {', '.join(RECIPES)}")
     for plugin in case.plugins:
         load_plugin(plugin)
     expected = json.loads((directory / "finding.json").read_text())["finding"]

@@ -263,9 +263,10 @@ def _bench(args) -> int:
         for fault_id in args.fault:
             get_fault(fault_id)
     summary = run_bench(cfg)
-    print_table(summary, all_detectors(), file=sys.stderr if args.json else sys.stdout)
-    print(f"results written to {args.out}/ (bench.csv, summary.json, leaderboard.md, heatmap.png)",
-          file=sys.stderr if args.json else sys.stdout)
+    timings = json.loads((Path(args.out) / "timings.json").read_text())
+    print_table(summary, all_detectors(), timings, file=sys.stderr if args.json else sys.stdout)
+    print(f"results written to {args.out}/ (scores: bench.csv, summary.json, leaderboard.md, heatmap.png; "
+          "timings: timings.csv, timings.json)", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -21,6 +21,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import runpy
 import secrets
 import shutil
@@ -152,7 +153,13 @@ def _load(directory) -> tuple[dict, Path]:
     if not marker.exists():
         raise ValueError(f"{directory} is not a practice exercise (no .exercise file); make one with "
                          "`faultbench practice new --dir DIR`")
-    token = json.loads(marker.read_text())["token"]
+    try:
+        token = json.loads(marker.read_text())["token"]
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError):
+        token = None
+    if not (isinstance(token, str) and re.fullmatch(r"[0-9a-f]{16}", token)):  # as new_exercise writes it
+        raise ValueError(f"{marker} is not an exercise marker (expected {{\"token\": <16 hex digits>}}); make a "
+                         "new exercise with `faultbench practice new --dir DIR`")
     path = _keys_dir() / f"{token}.json"
     if not path.exists():
         raise ValueError(f"the answer key of {directory} is not on this machine ({path})")
@@ -320,6 +327,8 @@ def new_exercise(directory, seed: int | None = None, fault: str | None = None, s
     from faults.inject import render_tree
 
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory} is a file; give a new folder")
     if directory.exists() and any(directory.iterdir()):
         raise ValueError(f"{directory} is not empty; give a new folder")
     fault_id = choose_fault(seed, fault, subsystem, level)
