@@ -59,7 +59,11 @@ def test_broken_forward_loss_is_localized(run):
         flipped = {k: v.flip(0) for k, v in batch.items()}
         return forward_loss(model, {**flipped, "labels": batch["labels"]}, num_targets, precision)
 
-    for broken, hint in ((own_count, "ignores num_targets"), (reversed_rows, "no longer line up")):
+    def labels_rolled(model, batch, num_targets, precision):
+        return forward_loss(model, {**batch, "labels": batch["labels"].roll(1, 0)}, num_targets, precision)
+
+    for broken, hint in ((own_count, "does not scale as 1/num_targets"), (reversed_rows, "not scored independently"),
+                         (labels_rolled, "not scored independently")):
         found = findings(ForwardLossContract, run, **{"model.train.forward_loss": broken})
         assert [(f.seam, f.confidence) for f in found] == [("model.train.forward_loss", 0.9)]
         assert hint in found[0].message

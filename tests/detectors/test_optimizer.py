@@ -108,7 +108,7 @@ def _train_step_variant(clip_first=False, schedule_per_micro=False):
 def test_train_step_contract(run):
     found = findings(TrainStepContract, run, **{"model.train.train_step": _train_step_variant()})
     assert found == []
-    for broken, hint in ((_train_step_variant(clip_first=True), "before the backward"),
+    for broken, hint in ((_train_step_variant(clip_first=True), "logged pre-clip grad norm 0,"),
                          (_train_step_variant(schedule_per_micro=True), "schedule advanced")):
         found = findings(TrainStepContract, run, **{"model.train.train_step": broken})
         assert [(f.seam, f.confidence) for f in found] == [("model.train.train_step", 0.85)]
