@@ -12,7 +12,7 @@
   throwaway parameter uses the gradients, clears them, advances the schedule once; ``clip_gradients``
   returns the pre-clip norm and clips; in the live run the optimizer sees gradients, they are cleared
   after the step, every parameter with a gradient changes, and the norm of the gradients the optimizer
-  uses equals min(logged pre-clip norm, grad_clip) (over the local shard only under ZeRO: clip_gradients).
+  uses equals min(logged pre-clip norm, grad_clip).
 - ``train_step_contract`` (on_start, single process): the run's ``model.train.train_step`` on a throwaway
   copy of the model, SGD, LambdaLR and GradScaler (scale 256 for fp16), judged by the run's own
   ``forward_loss``: it logs the window's loss and its true pre-clip norm, the optimizer receives the
@@ -429,10 +429,6 @@ class GradHygiene(Detector):
         if with_grad:
             norms = torch.stack(torch._foreach_norm([p.grad for p in with_grad]))
             pre["norm"] = float(torch.linalg.vector_norm(norms))
-            local = getattr(ctx.run.optimizer, "optim", None)  # ZeRO: the shard this rank's optimizer updates
-            if local is not None and ctx.run.world_size > 1:
-                shard = [p for g in local.param_groups for p in g["params"] if p.grad is not None]
-                pre["shard_norm"] = _grad_norm(shard)
             if ctx.step == 0 or self._snapshot_next:  # one snapshot per run (and after a resume)
                 self._snapshot_next = False
                 nonzero = (norms > 0).tolist()
@@ -498,16 +494,7 @@ class GradHygiene(Detector):
         if abs(got - want) > 1e-3 * max(got, want) + 1e-6:
             self._reported.add("norm")
             evidence = {"logged_pre_clip_norm": logged, "grad_clip": clip, "expected_post_clip_norm": want,
-                        "norm_seen_by_optimizer": got, "step": record.step, "world_size": world,
-                        "local_shard_norm": pre.get("shard_norm")}
-            shard = pre.get("shard_norm")
-            if shard is not None and abs(shard - want) <= 1e-3 * max(shard, want) + 1e-6:
-                self.report(ctx, "distributed", CLIP,
-                            f"step {record.step}: the gradients of this rank's optimizer shard have norm {shard:.4g} = "
-                            f"min(logged pre-clip norm {logged:.4g}, grad_clip {clip:g}) but the whole model's have "
-                            f"{got:.4g}: the norm was measured and clipped over the local shard only, not over every "
-                            "rank's gradients", evidence, confidence=0.7)
-                return
+                        "norm_seen_by_optimizer": got, "step": record.step, "world_size": world}
             self.report(ctx, "optimizer", TRAIN_STEP,
                         f"step {record.step}: the optimizer used gradients of norm {got:.4g}, but the logged "
                         f"pre-clip norm {logged:.4g} and grad_clip {clip:g} imply {want:.4g}; clip_gradients honours "
