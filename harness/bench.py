@@ -11,7 +11,9 @@ and built the corpora once), with one torch thread and a timeout; a child that h
 recorded as a hang, one that dies as a crash. Data-parallel cases run on a 2-rank ``RankPool`` whose
 failures (raise, death, hang) come back as crash records. Each finished case is cached under
 ``.cache/bench/<case hash>.json`` (the hash covers the case and every source it depends on), so a
-re-run recomputes only what changed; results are written atomically.
+re-run recomputes only what changed; an unreadable entry (bad JSON, a wrong record) is reported by path,
+deleted and recomputed. Results are written atomically once every case has finished, and never for an
+empty matrix; scores and timings go to separate files (``harness.report``).
 """
 
 from __future__ import annotations
@@ -196,6 +198,45 @@ class Progress:
               f"{label[:50]:<50}", end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
 
 
+# what a cached record must hold for the scorer (harness.score.case_rows) and mark_manifested to read it
+RECORD_FIELDS = {"case": dict, "name": str, "history": list, "crash": (dict, type(None)), "findings": list,
+                 "detector_errors": dict, "step_seconds": dict, "other_seconds": dict, "train_s": (int, float),
+                 "val_loss": (int, float, type(None)), "outputs": dict}
+FINDING_FIELDS = ("detector", "step", "subsystem", "seam")
+
+
+def record_problem(record, case: Case) -> str | None:
+    """Why ``record`` cannot be ``case``'s record (None: it can)."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    wrong = [k for k, kind in RECORD_FIELDS.items() if not isinstance(record.get(k), kind)]
+    if wrong:
+        return f"missing or mistyped {', '.join(wrong)}"
+    if record["case"] != case.to_dict():
+        return f"it is the record of another case ({record['name']})"
+    if not all(isinstance(f, dict) and all(k in f for k in FINDING_FIELDS) for f in record["findings"]):
+        return f"a finding without {', '.join(FINDING_FIELDS)}"
+    return None
+
+
+def read_cached(path: Path, case: Case) -> dict | None:
+    """The cached record of ``case`` at ``path``, or None: absent, or unreadable (bad JSON, a wrong record),
+    in which case it is reported on stderr by path and deleted, so the case is run again."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        problem = record_problem(record, case)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problem = str(e)
+    if problem is None:
+        return record
+    print(f"faultbench: discarding the bad cache entry {path} ({problem}); running {case.name} again",
+          file=sys.stderr)
+    path.unlink(missing_ok=True)
+    return None
+
+
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the matrix (cached cases reused), score it, write results/, return summary.json's object."""
     from harness.golden import load_golden
@@ -204,13 +245,16 @@ def run_bench(cfg: BenchConfig) -> dict:
     torch.set_num_threads(1)
     start = time.monotonic()
     cases, faults = build_matrix(cfg)
+    if not cases:  # before anything is run or written: an empty bench must not replace existing results
+        raise ValueError("the bench matrix is empty (no fault and no clean case to run): nothing written")
     digest = code_digest(cfg.plugins)
     records: dict[Case, dict] = {}
     todo = []
     for case in cases:
-        path = CACHE / f"{case_hash(case, digest)}.json"
-        if cfg.use_cache and cfg.bundles is None and path.exists():
-            records[case] = json.loads(path.read_text())
+        cached = read_cached(CACHE / f"{case_hash(case, digest)}.json", case) \
+            if cfg.use_cache and cfg.bundles is None else None
+        if cached is not None:
+            records[case] = cached
         else:
             todo.append(case)
     progress = Progress(len(cases), cfg.progress)
@@ -259,7 +303,7 @@ def mark_manifested(records: dict[Case, dict]) -> None:
 
 def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float,
                     cached: int = 0) -> dict:
-    from harness.report import write_results
+    from harness.report import split_timings, write_results
 
     registry = all_detectors()
     suite = [d for d in registry if not registry[d].baseline]
@@ -270,12 +314,13 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
     for d in detector_ids:
         if d in registry and registry[d].exclusive:
             scores[d]["overhead_ratio"] = exclusive_overhead(rows, d)
+    # the clock's readings apart from the scores, so that a re-run of unchanged code rewrites the same scores
+    timings = {"wall_s": round(wall_s, 1), "cached_cases": cached,  # from .cache/bench: wall_s covers the rest
+               "detectors": split_timings(scores)}
     summary = {
         "suite": scores.pop(SUITE, None),
         "detectors": scores,
-        "wall_s": round(wall_s, 1),
         "cases": len(records),
-        "cached_cases": cached,  # taken from .cache/bench (wall_s then covers only the rest)
         "faults": len(faults),
         "seeds": list(cfg.seeds),
         "targets": {k: list(v) for k, v in TARGETS.items()},
@@ -284,5 +329,5 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
         "crashed_cases": sum(bool(r["crash"]) for r in records),
         "hung_cases": sum(bool(r.get("hang")) for r in records),
     }
-    write_results(cfg.out, rows, summary, faults, registry)
+    write_results(cfg.out, rows, summary, timings, faults, registry)
     return summary

@@ -38,9 +38,13 @@ def _rank_of_first(values: list, acceptable) -> int | None:
 
 
 def score_findings(findings: list[dict], fault: dict | None, trigger_step: int) -> dict:
-    """Scores of one ranked list of findings against one fault (None: a clean case)."""
+    """Scores of one ranked list of findings against one fault (None: a clean case), and where its top finding
+    came from (detector, subsystem, seam; empty when nothing was found)."""
+    top = findings[0] if findings else {}
     row = {"detected": bool(findings), "findings": len(findings),
-           "first_step": min((f["step"] for f in findings if f["step"] is not None), default=None)}
+           "first_step": min((f["step"] for f in findings if f["step"] is not None), default=None),
+           "top_detector": top.get("detector", ""), "top_subsystem": top.get("subsystem", ""),
+           "top_seam": top.get("seam") or ""}
     if fault is None:
         return row
     subsystems = {fault["subsystem"], *fault.get("also_acceptable", ())}

@@ -77,12 +77,20 @@ def _value(cell: str):
         return cell if cell != "" else None
 
 
+def _csv_rows(path: Path) -> list[dict]:
+    with path.open() as f:
+        return [{k: _value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 def read_rows(results: Path, tool: Tool) -> list[dict]:
+    """The tool's rows of its bench.csv, each with its timings from the timings.csv beside it (0 where absent)."""
     path = results / tool.csv
     if not path.exists():
         return []
-    with path.open() as f:
-        return [{k: _value(v) for k, v in row.items()} for row in csv.DictReader(f) if row["detector"] == tool.id]
+    timing_path = path.with_name("timings.csv")
+    timings = {(t["case"], t["detector"]): t for t in (_csv_rows(timing_path) if timing_path.exists() else [])}
+    return [{"train_s": 0.0, "step_s": 0.0, "other_s": 0.0, **timings.get((r["case"], r["detector"]), {}), **r}
+            for r in _csv_rows(path) if r["detector"] == tool.id]
 
 
 def tool_scores(results: Path, tool: Tool, rows: list[dict]) -> dict:

@@ -1,0 +1,245 @@
+"""Bad input: a one-line error and exit 2 (never a traceback), and nothing lost: an empty or failed bench
+leaves existing results alone, a bad cache entry is recomputed, a re-run rewrites byte-identical scores."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from faults.registry import FAULTS
+from harness.case import RECIPES
+from harness.cli import main
+
+HEADER = '''
+from faults.registry import Manifest, fault
+
+
+@fault("{id}", seam="{seam}", title="t" * 30, subsystem="loss", trigger="always", symptoms=("nan",),
+       explanation="e" * 30, fix="f" * 30, references=("r",), manifest=Manifest(check="loss_above"))
+'''
+LM_LOSS = "def lm_loss(logits, labels, num_targets=None, ignore_index=-100):\n"
+
+
+def _one_line_error(capsys, argv, expect: str) -> str:
+    """Runs the CLI; asserts exit 2 and a single stderr line containing ``expect``; returns the line."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert expect in err, err
+    return err
+
+
+def _plugin(tmp_path, name: str, fault_id: str, body: str, seam: str = "model.loss.lm_loss",
+            header: str = LM_LOSS) -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text(HEADER.format(id=fault_id, seam=seam) + header + textwrap.indent(body, "    "))
+    return str(path)
+
+
+# ---- counts and flags ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, expect", [
+    (["bench", "--seeds", "0"], "--seeds: expected a positive integer, got 0"),
+    (["bench", "--seeds", "-2"], "--seeds: expected a positive integer, got -2"),
+    (["bench", "--jobs", "0"], "--jobs: expected a positive integer"),  # jobs 0 used to spin forever
+    (["train", "--threads", "0"], "--threads"),
+    (["train", "--log-every", "0"], "--log-every"),
+    (["run", "--fault", "label_permute", "--accum", "0"], "--accum"),  # accum 0 used to be ignored
+    (["faults", "--subsystem", "nope"], "choose from 'data', 'collate'"),
+    (["bench", "--only-plugin-faults"], "--only-plugin-faults needs a --plugin"),
+])
+def test_invalid_values_are_refused_in_one_line(argv, expect, capsys):
+    _one_line_error(capsys, argv, expect)
+
+
+def test_train_names_the_flags_whose_product_must_divide_the_batch(capsys):
+    _one_line_error(capsys, ["train", "--world-size", "3", "--steps", "2"],
+                    "--world-size 3 x --accum 1 must divide the preset's batch of 16")
+
+
+def test_a_refused_bench_leaves_existing_results_alone(tmp_path, capsys):
+    (tmp_path / "bench.csv").write_text("committed\n")
+    _one_line_error(capsys, ["bench", "--seeds", "0", "--out", str(tmp_path)], "--seeds")
+    assert (tmp_path / "bench.csv").read_text() == "committed\n"
+    _one_line_error(capsys, ["bench", "--out", str(tmp_path / "bench.csv")], "is a file, not a folder")
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("argv, seeds, exclusive", [
+    (["--quick"], (0,), False), (["--quick", "--seeds", "2"], (0, 1), False), ([], (0, 1, 2), True),
+])
+def test_quick_honours_seeds(argv, seeds, exclusive, monkeypatch):
+    seen = []
+
+    def fake_run_bench(cfg):
+        seen.append(cfg)
+        raise _Stop
+
+    monkeypatch.setattr("harness.bench.run_bench", fake_run_bench)
+    with pytest.raises(_Stop):
+        main(["bench", *argv])
+    assert seen[0].seeds == seeds and seen[0].exclusive == exclusive
+
+
+def test_an_empty_matrix_writes_nothing(tmp_path):
+    from harness.bench import BenchConfig, run_bench
+
+    (tmp_path / "bench.csv").write_text("committed\n")
+    cfg = BenchConfig(seeds=(), out=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="matrix is empty"):
+        run_bench(cfg)
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.csv"]
+    assert (tmp_path / "bench.csv").read_text() == "committed\n"
+
+
+def test_a_failure_while_rendering_leaves_every_result_file_as_it_was(tmp_path, monkeypatch):
+    from harness import report
+
+    before = {name: f"old {name}\n" for name in ("bench.csv", "summary.json", "leaderboard.md")}
+    for name, text in before.items():
+        (tmp_path / name).write_text(text)
+    row = {c: "" for c in report.COLUMNS} | {"detector": "suite", "fault": "f", "rr_subsystem": 1.0}
+    monkeypatch.setattr(report, "leaderboard", lambda *a: 1 / 0)  # rendered after the csv used to be written
+    with pytest.raises(ZeroDivisionError):
+        report.write_results(tmp_path, [row], {}, {}, {}, {})
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
+    with pytest.raises(ValueError, match="produced no case"):
+        report.write_results(tmp_path, [], {}, {}, {}, {})
+
+
+# ---- plugins --------------------------------------------------------------------------------------------
+
+def test_plugin_that_does_not_import_is_one_line(tmp_path, capsys):
+    _one_line_error(capsys, ["faults", "--plugin", "nope.module"], "No module named 'nope'")
+    _one_line_error(capsys, ["faults", "--plugin", str(tmp_path)], "is not a .py file nor a module name")
+    bad = tmp_path / "broken_syntax.py"
+    bad.write_text("x = 1\ndef f(:\n    pass\n")
+    _one_line_error(capsys, ["faults", "--plugin", str(bad)], f"{bad}:2: ")
+    raising = tmp_path / "raises_on_import.py"
+    raising.write_text("x = 1\nraise RuntimeError('boom')\n")
+    _one_line_error(capsys, ["faults", "--plugin", str(raising)], f"{raising}:2: RuntimeError: boom")
+
+
+def test_plugin_with_another_signature_gets_a_readable_message(tmp_path, capsys):
+    path = _plugin(tmp_path, "other_signature", "tmp_other_signature", '"""Wrong header."""\nreturn a\n',
+                   header="def lm_loss(a, b):\n")
+    err = _one_line_error(capsys, ["faults", "--plugin", path],
+                          "(logits, labels, num_targets=None, ignore_index=-100), got (a, b)")
+    assert "_ParameterKind" not in err and "tmp_other_signature" not in FAULTS
+
+
+def test_plugin_fault_using_an_undefined_name_is_refused_at_registration(tmp_path, capsys):
+    path = _plugin(tmp_path, "undefined_name", "tmp_undefined_name",
+                   '"""Calls a helper nobody defined."""\nreturn logits.sum() * helper_never_defined(labels)\n')
+    _one_line_error(capsys, ["faults", "--plugin", path], "uses undefined name(s) helper_never_defined")
+    assert "tmp_undefined_name" not in FAULTS
+
+
+def test_plugin_fault_with_other_closure_variables_is_refused_at_registration(tmp_path, capsys):
+    # spliced into the class, a zero-argument super() closes over __class__, which the seam does not:
+    # injection used to skip such a replacement without a word
+    path = _plugin(tmp_path, "closure_vars", "tmp_closure_vars", '"""Calls the parent\'s forward."""\n'
+                   "return super().forward(x)\n", seam="model.gpt.MLP.forward", header="def forward(self, x):\n")
+    _one_line_error(capsys, ["faults", "--plugin", path], "closes over ['__class__'] where model.gpt.MLP.forward")
+    assert "tmp_closure_vars" not in FAULTS
+
+
+def test_plugin_attributes_and_builtins_are_not_undefined_names(tmp_path):
+    from faults.registry import load_plugin
+
+    path = _plugin(tmp_path, "fine_names", "tmp_fine_names", '"""Uses attributes, builtins, module globals."""\n'
+                   "total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))\n"
+                   "return total * float(len([c for c in range(2)]))\n")
+    try:
+        load_plugin(path)
+        assert "tmp_fine_names" in FAULTS
+    finally:
+        FAULTS.pop("tmp_fine_names", None)
+        sys.modules.pop("faultbench_plugin_fine_names", None)
+
+
+# ---- practice -------------------------------------------------------------------------------------------
+
+def test_practice_new_into_a_file_and_a_garbage_marker_are_one_line(tmp_path, capsys):
+    target = tmp_path / "a_file"
+    target.write_text("x")
+    _one_line_error(capsys, ["practice", "new", "--dir", str(target), "--fault", "label_permute"], "is a file")
+    (tmp_path / "ex").mkdir()
+    for garbage in ("garbage", "[1]", '{"x": 1}', '{"token": "../../etc/passwd"}'):
+        (tmp_path / "ex" / ".exercise").write_text(garbage)
+        for argv in (["hint", str(tmp_path / "ex")], ["answer", str(tmp_path / "ex"), "--subsystem", "data"]):
+            _one_line_error(capsys, ["practice", *argv], "is not an exercise marker")
+
+
+# ---- the bench's cache and its outputs ----------------------------------------------------------------
+
+SCORE_FILES = ("bench.csv", "summary.json", "leaderboard.md", "heatmap.png")
+
+
+@pytest.fixture
+def tiny_bench(tmp_path, monkeypatch):
+    """A 2-case bench (one cheap fault and its clean case, one recipe, one seed, one detector)."""
+    from harness.bench import BenchConfig
+
+    monkeypatch.setattr("harness.bench.RECIPES", {"fp32": RECIPES["fp32"]})
+    monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
+    return BenchConfig(seeds=(0,), detectors=("forward_loss_contract",), faults=("label_permute",), jobs=1,
+                       out=tmp_path / "results", progress=False)
+
+
+def _scores(out) -> dict[str, bytes]:
+    return {name: (out / name).read_bytes() for name in SCORE_FILES}
+
+
+def test_a_rerun_rewrites_byte_identical_scores_and_a_bad_cache_entry_is_recomputed(tiny_bench, capsys):
+    from harness.bench import run_bench
+
+    run_bench(tiny_bench)
+    first = _scores(tiny_bench.out)
+    rows = (tiny_bench.out / "bench.csv").read_text().splitlines()
+    assert "train_s" not in rows[0] and "top_detector,top_subsystem,top_seam" in rows[0]
+    faulty = next(r for r in rows[1:] if r.startswith("label_permute/") and ",suite," in r)
+    assert ",forward_loss_contract,loss,model.train.forward_loss," in faulty  # who gave the top finding
+    timings = (tiny_bench.out / "timings.csv").read_text().splitlines()
+    assert timings[0] == "case,detector,train_s,step_s,other_s" and len(timings) == len(rows)
+    assert set(json.loads((tiny_bench.out / "timings.json").read_text())) == {"wall_s", "cached_cases", "detectors"}
+
+    run_bench(tiny_bench)  # warm cache: the clock differs, the scores files must not
+    assert _scores(tiny_bench.out) == first
+    assert json.loads((tiny_bench.out / "timings.json").read_text())["cached_cases"] == 2
+
+    bad_json, wrong_record = sorted((tiny_bench.out.parent / "cache").glob("*.json"))
+    bad_json.write_text('{"case": {"recipe": "fp32", "unterminated')
+    record = json.loads(wrong_record.read_text())
+    wrong_record.write_text(json.dumps({**record, "findings": "none", "step_seconds": None}))
+    capsys.readouterr()
+    run_bench(tiny_bench)  # recomputes both cases instead of failing
+    err = capsys.readouterr().err
+    assert f"discarding the bad cache entry {bad_json}" in err
+    assert f"discarding the bad cache entry {wrong_record}" in err and "findings, step_seconds" in err
+    assert json.loads((tiny_bench.out / "timings.json").read_text())["cached_cases"] == 0
+    assert _scores(tiny_bench.out) == first  # recomputed, the same scores
+    assert json.loads(wrong_record.read_text())["findings"] == record["findings"]  # rewritten whole
+
+
+def test_a_cached_record_of_another_case_is_not_used(tiny_bench, capsys):
+    from harness.bench import read_cached
+    from harness.case import Case
+
+    path = tiny_bench.out.parent / "entry.json"
+    case, other = Case("fp32", 0, (), ("forward_loss_contract",)), Case("fp32", 1, (), ("forward_loss_contract",))
+    record = {"case": other.to_dict(), "name": other.name, "history": [], "crash": None, "findings": [],
+              "detector_errors": {}, "step_seconds": {}, "other_seconds": {}, "train_s": 0.0, "val_loss": None,
+              "outputs": {}}
+    path.write_text(json.dumps(record))
+    assert read_cached(path, other) == record
+    assert read_cached(path, case) is None and not path.exists()
+    assert "the record of another case (clean/fp32/s1)" in capsys.readouterr().err
