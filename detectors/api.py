@@ -131,10 +131,8 @@ class RunContext:
 def _sealed_resolver(resolve: Callable[[str], Any], names: frozenset[str]) -> Callable[[str], Any]:
     """``resolve`` restricted to the seam table: a seam's function, or a class one of them is a method of."""
     def seam(name: str):
-        if name not in names and not any(s.startswith(name + ".") for s in names):
-            raise ValueError(f"{name!r} is not a seam (nor a class of one): the context resolves seams only")
-        obj = resolve(name)
-        if name not in names and not isinstance(obj, type):  # a module prefix such as "model.data"
+        obj = resolve(name) if name in names or any(s.startswith(name + ".") for s in names) else None
+        if name not in names and not isinstance(obj, type):  # a prefix may be a class, never a module
             raise ValueError(f"{name!r} is not a seam (nor a class of one): the context resolves seams only")
         return obj if isinstance(obj, (types.FunctionType, type)) else _without_cache(obj)
 
