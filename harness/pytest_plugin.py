@@ -1,14 +1,19 @@
-"""pytest option ``--inject-fault ID`` (repeatable): run the project's own tests against a broken reference.
+"""pytest options ``--inject-fault ID`` and ``--fault-plugin PATH_OR_MODULE`` (both repeatable).
 
-Loaded by ``-p harness.pytest_plugin`` (pyproject addopts). The faults are injected for the whole
-session in every process (xdist workers parse the same options), so a test suite's mutation score
-is simply: which faults make it fail.
+``--inject-fault`` runs the project's own tests against a broken reference: the faults are injected for
+the whole session in every process (xdist workers parse the same options), so a test suite's mutation
+score is simply: which faults make it fail. ``--fault-plugin`` loads a plugin's faults before collection,
+so the tests parametrized over the registry (``tests/faults/test_manifest.py``'s proofs,
+``tests/faults/test_registry.py``) cover them too: ``pytest tests/faults/test_manifest.py --fault-plugin
+my_faults.py -k my_fault`` proves a plugin fault. Loaded by ``-p harness.pytest_plugin`` (pyproject addopts).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+
+import pytest
 
 _stack = contextlib.ExitStack()
 
@@ -22,29 +27,34 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    """Load the ``--fault-plugin`` plugins before collection (so tests parametrized over the registry, the
+    manifest proofs among them, cover their faults too), then inject the ``--inject-fault`` faults."""
+    from faults.registry import FaultError, get_fault, load_plugin
+
+    plugins = config.getoption("fault_plugin")
     ids = config.getoption("inject_fault")
+    try:
+        for plugin in plugins:
+            load_plugin(plugin)
+        for fault_id in ids:
+            get_fault(fault_id)
+    except FaultError as e:  # a broken plugin or an unknown id stops the session in one line, not a traceback
+        raise pytest.UsageError(str(e)) from None
     if not ids:
         return
     from faults.inject import injected
-    from faults.registry import get_fault, load_plugin
 
-    plugins = config.getoption("fault_plugin")
-    for plugin in plugins:
-        load_plugin(plugin)
-    import pytest
-
-    from faults.registry import FaultError
-
-    try:
-        for fault_id in ids:
-            get_fault(fault_id)
-    except FaultError as e:  # an unknown id stops the session with a suggestion, not a traceback
-        raise pytest.UsageError(str(e)) from None
     _stack.enter_context(injected(*ids))
     # rank workers started by this session (harness.launch.RankPool) inject the same faults
     from harness.launch import INJECT_ENV, PLUGINS_ENV
 
     _stack.enter_context(_env({INJECT_ENV: ",".join(ids), PLUGINS_ENV: os.pathsep.join(plugins)}))
+
+
+@pytest.fixture(scope="session")
+def fault_plugins(request) -> tuple[str, ...]:
+    """The session's ``--fault-plugin`` values, for runs that must load them in other processes (rank workers)."""
+    return tuple(request.config.getoption("fault_plugin"))
 
 
 @contextlib.contextmanager

@@ -114,3 +114,21 @@ def test_inject_fault_reaches_the_rank_workers():
     faulty = subprocess.run([*args, "--inject-fault", "no_sync_on_last_micro_batch"], capture_output=True,
                             text=True, cwd=ROOT, timeout=300)
     assert faulty.returncode == 1 and "failed" in faulty.stdout
+
+
+def test_pytest_fault_plugin_parametrizes_the_proofs_over_the_plugin_faults(tmp_path):
+    plugin = tmp_path / "my_faults.py"
+    plugin.write_text(PLUGIN)
+    args = [sys.executable, "-m", "pytest", "tests/faults/test_manifest.py", "-q", "-p", "no:cacheprovider",
+            "--fault-plugin", str(plugin)]
+    proof = subprocess.run([*args, "-k", "plugin_lr_times_100"], capture_output=True, text=True, cwd=ROOT,
+                           timeout=300)
+    assert proof.returncode == 0 and "1 passed" in proof.stdout, proof.stdout[-2000:]
+    collected = subprocess.run([*args, "--collect-only"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert "test_fault_manifests[plugin_lr_times_100]" in collected.stdout
+    assert "test_fault_manifests[label_permute]" in collected.stdout  # the builtin faults still collected
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    refused = subprocess.run([*args[:-1], str(broken), "--collect-only"], capture_output=True, text=True, cwd=ROOT,
+                             timeout=300)
+    assert refused.returncode == 4 and f"{broken}:1: " in refused.stderr and "Traceback" not in refused.stderr
