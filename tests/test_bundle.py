@@ -98,3 +98,53 @@ def test_bench_bundles_every_flagged_case(tmp_path):
     (bundle,) = (tmp_path / "bundles").iterdir()
     assert bundle.name == "label_permute-fp32-s0" and verify(bundle)["command"] == "faultbench"
     assert replay(bundle)["reproduced"]
+
+
+def _fake_bundle(directory, **case_changes):
+    """The files of a bundle, without running a case: enough for ``verify`` and the CLI's refusals."""
+    directory.mkdir()
+    case = {"recipe": "fp32", "seed": 0, "faults": ["label_permute"], "detectors": ["loss_contract"], "plugins": [],
+            **case_changes}
+    meta = {"format": 1, "case": case, "seed": 0, "step": 0, "capture": 1, "rank": 0, "code_digest": "x"}
+    (directory / "bundle.json").write_text(json.dumps(meta))
+    finding = {"detector": "loss_contract", "step": 0, "subsystem": "loss", "seam": None, "message": "m"}
+    (directory / "finding.json").write_text(json.dumps({"finding": finding}))
+    for name in ("checkpoint.pt", "metrics.jsonl"):
+        (directory / name).write_bytes(b"")
+    _reseal(directory)
+    return directory
+
+
+@pytest.mark.parametrize("manifest, expect", [
+    ("", "does not list bundle.json, finding.json, checkpoint.pt, metrics.jsonl"),  # emptied
+    ("not a manifest line\n", "line 1 is not '<sha256>  <one of"),
+    (f"{'0' * 64}  ../../etc/passwd\n", "line 1 is not"),  # a file outside the bundle
+    (None, "does not list metrics.jsonl"),  # one line deleted
+])
+def test_an_edited_or_emptied_manifest_is_refused_in_one_line(tmp_path, capsys, manifest, expect):
+    bundle = _fake_bundle(tmp_path / "bundle")
+    assert verify(bundle)["case"]["recipe"] == "fp32"
+    lines = (bundle / "MANIFEST.sha256").read_text().splitlines(keepends=True)
+    (bundle / "MANIFEST.sha256").write_text("".join(lines[:-1]) if manifest is None else manifest)
+    assert main(["replay", str(bundle)]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (lambda b: (b / "bundle.json").write_text("{not json"), "bundle.json is not valid JSON"),
+    (lambda b: (b / "bundle.json").write_text("{}"), "bundle.json lacks (or mistypes) case, seed, step"),
+    (lambda b: (b / "finding.json").write_text('{"finding": {"step": 0}}'), "its finding lacks one of"),
+])
+def test_resealed_malformed_json_is_refused_in_one_line(tmp_path, capsys, edit, expect):
+    bundle = _fake_bundle(tmp_path / "bundle")
+    edit(bundle)
+    _reseal(bundle)
+    assert main(["replay", str(bundle)]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bundle_of_an_unknown_recipe_is_refused(tmp_path, capsys):
+    assert main(["replay", str(_fake_bundle(tmp_path / "bundle", recipe="no_such_recipe"))]) == 2
+    assert "recipe 'no_such_recipe' is not one of this checkout's" in capsys.readouterr().err
