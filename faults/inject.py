@@ -104,6 +104,18 @@ def splice_module(source: str, replacements: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def display_path(path) -> str:
+    """A source file as a user names it: relative to this repository (``model/gpt.py``), or to the folder
+    holding its installed package (``transformers/trainer.py``)."""
+    path = Path(path).resolve()
+    if path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    for parent in path.parents:  # the top-level package is the outermost folder with an __init__.py
+        if not (parent / "__init__.py").exists():
+            return str(path.relative_to(parent))
+    return str(path)
+
+
 def _by_module(specs: list[FaultSpec]) -> dict[str, dict[str, str]]:
     """{module name: {seam qualname: fault function text}}; two faults on one seam is an error."""
     out: dict[str, dict[str, str]] = {}
@@ -123,7 +135,7 @@ def spliced_sources(fault_ids) -> dict[str, str]:
     out = {}
     for module, replacements in _by_module(specs).items():
         path = Path(sys.modules[module].__file__)
-        out[str(path.relative_to(ROOT))] = splice_module(path.read_text(), replacements)
+        out[display_path(path)] = splice_module(path.read_text(), replacements)
     return out
 
 
@@ -141,7 +153,7 @@ def diff(fault_id: str) -> str:
     spec = get_fault(fault_id)
     chunks = []
     for seam, fn in spec.replacements.items():
-        rel = os.path.relpath(inspect.getsourcefile(inspect.unwrap(resolve(seam))), ROOT)
+        rel = display_path(inspect.getsourcefile(inspect.unwrap(resolve(seam))))
         chunks += difflib.unified_diff(
             seam_function_source(seam).splitlines(keepends=True),
             fault_function_source(seam, fn).splitlines(keepends=True),

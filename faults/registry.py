@@ -34,10 +34,14 @@ SYMPTOMS = (
     "slowdown", "memory-growth",
 )
 SCENARIOS = ("train", "resume", "generate", "ddp", "ddp_resume")
-BUILTIN_MODULES = (
-    "faults.data", "faults.collate", "faults.mask", "faults.position", "faults.model", "faults.loss",
-    "faults.optimizer", "faults.precision", "faults.checkpoint", "faults.distributed", "faults.eval",
-)
+_SUBSYSTEM_MODULES = ("data", "collate", "mask", "position", "model", "loss", "optimizer", "precision",
+                      "checkpoint", "distributed", "eval")
+# per target, the modules of its builtin faults: a target's faults load with it (the HF stack's import costs
+# seconds, so a process that only touches the reference never pays for it)
+BUILTIN_MODULES = {
+    "ref": tuple(f"faults.{m}" for m in _SUBSYSTEM_MODULES),
+    "hf": tuple(f"faults.hf.{m}" for m in _SUBSYSTEM_MODULES),
+}
 ENTRY_POINT_GROUP = "faultbench.plugins"
 
 
@@ -70,6 +74,7 @@ class FaultSpec:
     references: tuple[str, ...]
     manifest: Manifest
     also_acceptable: tuple[str, ...] = ()
+    target: str = "ref"  # the training stack whose seams it replaces (``targets.get``)
     replacements: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
 
     def metadata(self) -> dict:
@@ -80,7 +85,7 @@ class FaultSpec:
 
 
 FAULTS: dict[str, FaultSpec] = {}
-_loaded_builtin = False
+_loaded_builtin: set[str] = set()  # the targets whose builtin faults are registered
 
 
 class FaultError(ValueError):
@@ -153,7 +158,8 @@ def _validate(spec: FaultSpec) -> None:
     if spec.subsystem not in SUBSYSTEMS:
         problems.append(f"unknown subsystem {spec.subsystem!r}")
     problems += [f"unknown also_acceptable subsystem {s!r}" for s in spec.also_acceptable if s not in SUBSYSTEMS]
-    problems += [f"unknown seam {s!r}" for s in spec.seams if s not in SEAMS]
+    table = seam_table(spec.target)
+    problems += [f"unknown seam {s!r} of target {spec.target!r}" for s in spec.seams if s not in table]
     if spec.trigger not in TRIGGERS:
         problems.append(f"unknown trigger {spec.trigger!r}; expected one of {TRIGGERS}")
     problems += [f"unknown symptom {s!r}" for s in spec.symptoms if s not in SYMPTOMS]
@@ -167,8 +173,20 @@ def _validate(spec: FaultSpec) -> None:
         raise FaultError(f"fault {spec.id!r}: " + "; ".join(problems))
 
 
+def seam_table(target: str) -> dict[str, str]:
+    """{seam: subsystem} of ``target``; an unknown target raises ``FaultError`` naming the known ones."""
+    if target == "ref":
+        return SEAMS
+    import targets
+
+    try:
+        return targets.get(target).seams()
+    except ValueError as e:
+        raise FaultError(str(e)) from None
+
+
 def fault(id: str, *, seam: str, title: str, subsystem: str, trigger: str, symptoms, explanation: str,
-          fix: str, references, manifest: Manifest, also_acceptable=()):
+          fix: str, references, manifest: Manifest, also_acceptable=(), target: str = "ref"):
     """Register the decorated function as fault ``id``'s replacement for ``seam``."""
 
     def register(fn: Callable) -> Callable:
@@ -177,7 +195,7 @@ def fault(id: str, *, seam: str, title: str, subsystem: str, trigger: str, sympt
         spec = FaultSpec(id=id, title=title, subsystem=subsystem, seams=(seam,), trigger=trigger,
                          symptoms=tuple(symptoms), explanation=explanation, fix=fix,
                          references=tuple(references), manifest=manifest,
-                         also_acceptable=tuple(also_acceptable), replacements={seam: fn})
+                         also_acceptable=tuple(also_acceptable), target=target, replacements={seam: fn})
         _validate(spec)
         _check_function(seam, fn)
         FAULTS[id] = spec
@@ -205,12 +223,16 @@ def also_replaces(id: str, seam: str):
     return register
 
 
-def load_builtin() -> None:
-    global _loaded_builtin
-    if not _loaded_builtin:
-        _loaded_builtin = True
-        for name in BUILTIN_MODULES:
-            importlib.import_module(name)
+def load_builtin(target: str | None = "ref") -> None:
+    """Register the builtin faults of ``target`` (None: of every target) and the installed plugins."""
+    for name in BUILTIN_MODULES if target is None else (target,):
+        if name not in _loaded_builtin:
+            _loaded_builtin.add(name)
+            for module in BUILTIN_MODULES[name]:
+                if importlib.util.find_spec(module) is not None:  # a subsystem may have no fault on a target
+                    importlib.import_module(module)
+    if "entry points" not in _loaded_builtin:
+        _loaded_builtin.add("entry points")
         _load_entry_points()
 
 
@@ -253,14 +275,19 @@ def load_plugin(path_or_module: str) -> None:
         raise FaultError(f"plugin {path_or_module} failed to import{where}: {type(e).__name__}: {e}") from None
 
 
-def all_faults() -> dict[str, FaultSpec]:
-    load_builtin()
-    return FAULTS
+def all_faults(target: str | None = "ref") -> dict[str, FaultSpec]:
+    """The registered faults of ``target`` (None: every target), plugins included."""
+    load_builtin(target)
+    return {k: v for k, v in FAULTS.items() if target in (None, v.target)}
 
 
 def get_fault(fault_id: str) -> FaultSpec:
-    """The fault ``fault_id``; an unknown id raises ``FaultError`` with the closest ids."""
-    faults = all_faults()
+    """The fault ``fault_id`` of any target; an unknown id raises ``FaultError`` with the closest ids."""
+    for target in ("ref", None):  # the reference's faults first: the HF stack is imported only when needed
+        if fault_id in FAULTS:
+            break
+        load_builtin(target)
+    faults = FAULTS
     if fault_id not in faults:
         close = difflib.get_close_matches(fault_id, faults, n=3, cutoff=0.5)
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""

@@ -1,0 +1,2 @@
+"""Builtin faults of the HF target (``targets/hf``): one module per subsystem, each fault the buggy body of a
+real function of transformers or accelerate (or of the target's thin glue), registered with ``target="hf"``."""
