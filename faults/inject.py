@@ -20,7 +20,6 @@ import difflib
 import functools
 import inspect
 import linecache
-import os
 import shutil
 import sys
 import tempfile
