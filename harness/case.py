@@ -337,7 +337,7 @@ def _train_until(run, suite: Suite, until: int, out: dict, capture=None) -> None
         out["train_s"] += time.perf_counter() - start
         # the record's own fields, not ``to_dict``: its deep copy raises on a loss tensor that holds a graph
         fields = {**vars(record), "tokens_per_s": record.tokens_per_s}
-        out["history"].append({k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
+        out["history"].append({k: (float(v.detach()) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
 
 
 def run_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str | None = None,
