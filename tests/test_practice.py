@@ -1,5 +1,7 @@
-"""Practice mode: the interviewer's rubric."""
+"""Practice mode: the interviewer's rubric, and exercises from new to check."""
 
+import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -13,14 +15,38 @@ FAULTS = all_faults()
 SECTIONS = ("## 1. Reproduce", "## 2. Isolate by subsystem", "## 3. Instrument", "## 4. Fix", "## 5. Prevent")
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """A results folder made for the rubric, every fault in it: in bench.csv `always` localizes it first on
+    every seed, `sometimes` on one seed of two (so not listed), and the suite is never listed; faults.md and
+    mutation.md rows carry a per-fault evidence and a per-fault failing test."""
+    out = tmp_path_factory.mktemp("results")
+    with (out / "bench.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["case", "fault", "seed", "detector", "rr_subsystem"])
+        writer.writeheader()
+        for fault_id in FAULTS:
+            for seed, rr in enumerate((1.0, 0.5)):
+                for detector, value in (("always", 1.0), ("sometimes", rr), ("suite", 1.0)):
+                    writer.writerow({"case": f"{fault_id}/s{seed}", "fault": fault_id, "seed": seed,
+                                     "detector": detector, "rr_subsystem": value})
+    rows = "".join(f"| `{f}` | x | evidence of {f} |\n" for f in FAULTS)
+    (out / "faults.md").write_text(f"| fault | subsystem | evidence |\n| --- | --- | --- |\n{rows}")
+    rows = "".join(f"| `{f}` | killed | tests/model/test_x.py::test_{f} |\n" for f in FAULTS)
+    (out / "mutation.md").write_text(f"| fault | result | first failing test |\n| --- | --- | --- |\n{rows}")
+    return out
+
+
 @pytest.mark.parametrize("fault_id", sorted(FAULTS))
-def test_rubric_covers_reproduce_isolate_instrument_fix_prevent(fault_id):
+def test_rubric_covers_reproduce_isolate_instrument_fix_prevent(fault_id, results):
     spec = FAULTS[fault_id]
-    text = rubric(fault_id)
-    assert [s for s in SECTIONS if s in text] == list(SECTIONS)
-    assert all(seam in text for seam in spec.seams) and spec.fix in text and spec.references[0] in text
-    assert "Detectors that localize it first" in text  # the committed bench localized every fault
-    assert "A regression test that fails with this bug in place" in text  # and a unit test kills each one
+    text = rubric(fault_id, results=results)
+    where = [text.find(s) for s in SECTIONS]
+    assert -1 not in where and where == sorted(where), "sections missing or out of order"
+    assert all(seam in text for seam in spec.seams) and spec.explanation in text and spec.fix in text
+    assert all(f"- {ref}" in text for ref in spec.references)
+    assert f"evidence of {fault_id}" in text
+    assert "Detectors that localize it first on every bench seed: `always` (" in text
+    assert f"A regression test that fails with this bug in place: `tests/model/test_x.py::test_{fault_id}`" in text
 
 
 def test_rubric_without_results_still_has_the_answer(tmp_path):
@@ -47,6 +73,16 @@ def _splice_back_the_clean_seams(exercise: Path, spec) -> None:
         path.write_text(splice_module(path.read_text(), {qualname: seam_function_source(seam)}))
 
 
+def _loss_mismatches(a: list[float], b: list[float], tol: float = 1e-6) -> list[int]:
+    """Steps where two loss curves of one length differ: NaN against a number, or numbers ``tol`` apart."""
+    def differ(x: float, y: float) -> bool:
+        if math.isnan(x) or math.isnan(y):
+            return math.isnan(x) != math.isnan(y)
+        return x != y and not abs(x - y) <= tol  # x != y: equal infinities agree
+
+    return [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if differ(x, y)]
+
+
 @pytest.mark.parametrize("fault_id", sorted(FAULTS))
 def test_exercise_round_trip(tmp_path, monkeypatch, fault_id):
     """new -> nothing gives the fault away -> the broken copy is the injected run and shows the symptom ->
@@ -71,8 +107,7 @@ def test_exercise_round_trip(tmp_path, monkeypatch, fault_id):
         injected = run_scenario(m.scenario, m.variant, m.steps, m.seeds[0], (fault_id,)).to_dict()
         assert (broken["crash"] or {}).get("type") == (injected["crash"] or {}).get("type")
         assert (broken["crash"] or {}).get("step") == (injected["crash"] or {}).get("step")
-        finite = [(a, b) for a, b in zip(broken["losses"], injected["losses"], strict=True) if a == a and b == b]
-        assert all(abs(a - b) <= 1e-6 for a, b in finite)
+        assert _loss_mismatches(broken["losses"], injected["losses"]) == []
     assert practice.repair_problems(broken, practice.reference_outcome(m), m), "the exercise shows no symptom"
 
     first = practice.hint(ex)
