@@ -107,7 +107,7 @@ def display_path(path) -> str:
     """A source file as a user names it: relative to this repository (``model/gpt.py``), or to the folder
     holding its installed package (``transformers/trainer.py``)."""
     path = Path(path).resolve()
-    if path.is_relative_to(ROOT):
+    if path.is_relative_to(ROOT) and "site-packages" not in path.parts:  # a venv may live in the repository
         return str(path.relative_to(ROOT))
     for parent in path.parents:  # the top-level package is the outermost folder with an __init__.py
         if not (parent / "__init__.py").exists():

@@ -215,16 +215,18 @@ CHECKS = {
 
 def prove(fault_id: str, pool=None, plugins=(), clean_cache: dict | None = None) -> tuple[bool, str]:
     """Run the fault's manifest scenario clean and faulty on its seeds; return (manifests, evidence)."""
-    m = get_fault(fault_id).manifest
+    spec = get_fault(fault_id)
+    m = spec.manifest
     cleans, faultys = [], []
     for seed in m.seeds:
-        key = (m.scenario, repr(sorted(m.variant.items())), m.steps, seed)
+        key = (spec.target, m.scenario, repr(sorted(m.variant.items())), m.steps, seed)
         if clean_cache is not None and key in clean_cache:
             clean = clean_cache[key]
         else:
-            clean = run_scenario(m.scenario, m.variant, m.steps, seed, pool=pool)
+            clean = run_scenario(m.scenario, m.variant, m.steps, seed, pool=pool, target=spec.target)
             if clean_cache is not None:
                 clean_cache[key] = clean
         cleans.append(clean)
-        faultys.append(run_scenario(m.scenario, m.variant, m.steps, seed, (fault_id,), plugins, pool=pool))
+        faultys.append(run_scenario(m.scenario, m.variant, m.steps, seed, (fault_id,), plugins, pool=pool,
+                                    target=spec.target))
     return CHECKS[m.check](cleans, faultys, **m.params)

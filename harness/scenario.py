@@ -20,6 +20,7 @@ A crash is an outcome, never an exception out of ``run_scenario``.
 from __future__ import annotations
 
 import gc
+import importlib
 import math
 import random
 import tempfile
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import targets
 from faults.inject import injected
 from model.config import RunConfig, get_preset
 
@@ -318,8 +320,10 @@ def ddp_case(rank: int, cfg_dict: dict, fault_ids: tuple[str, ...], plugins: tup
 
 
 def run_scenario(scenario: str, variant: dict, steps: int, seed: int, fault_ids=(), plugins=(), pool=None,
-                 preset: str = "tiny") -> Outcome:
-    """Run ``scenario`` on the ``variant`` config with ``fault_ids`` injected (none: the clean run)."""
+                 preset: str = "tiny", target: str = "ref") -> Outcome:
+    """Run ``scenario`` on the ``variant`` config of ``target`` with ``fault_ids`` injected (none: clean)."""
+    if target != "ref":
+        return _target_scenario(target, scenario, variant, steps, seed, tuple(fault_ids), tuple(plugins), pool)
     cfg = scenario_config(variant, steps, seed, preset)
     fault_ids = tuple(fault_ids)
     if scenario in ("ddp", "ddp_resume"):
@@ -328,6 +332,43 @@ def run_scenario(scenario: str, variant: dict, steps: int, seed: int, fault_ids=
     random.seed(seed)  # deterministic even where the code under test draws from Python's global RNG
     with injected(*fault_ids):
         return runner(cfg, steps)
+
+
+def target_scenario_on_rank(rank: int, target: str, scenario: str, variant: dict, steps: int, seed: int,
+                            fault_ids: tuple, plugins: tuple, workdir: str | None = None) -> dict:
+    """A target's scenario on this process (a ``RankPool`` rank, or the caller's), faults injected here."""
+    from faults.registry import load_plugin
+
+    for plugin in plugins:
+        load_plugin(plugin)
+    module = importlib.import_module(f"targets.{target}.scenario")
+    random.seed(seed)
+    with injected(*fault_ids):
+        return module.run_scenario(scenario, variant, steps, seed, rank, workdir)
+
+
+def _target_scenario(target: str, scenario: str, variant: dict, steps: int, seed: int, fault_ids: tuple,
+                     plugins: tuple, pool) -> Outcome:
+    """Another target's scenario (``targets/<target>/scenario.py``): 2 ranks of ``pool`` for ``ddp``."""
+    targets.get(target)  # the target's import-time set-up (HF: no hub access) before anything else of it
+    if scenario != "ddp":
+        return Outcome(**target_scenario_on_rank(0, target, scenario, variant, steps, seed, fault_ids, plugins))
+    from harness.launch import RankFailure, RankPool
+
+    own_pool = pool is None
+    pool = pool or RankPool(2)
+    try:
+        with tempfile.TemporaryDirectory(prefix="faultbench-scenario-") as workdir:
+            ranks = pool.run(target_scenario_on_rank, target, scenario, variant, steps, seed, fault_ids, plugins,
+                             workdir, timeout_s=180)
+    except RankFailure as exc:
+        return Outcome(crash={"type": "RankFailure", "message": str(exc)[:500], "step": None, "seams": []})
+    finally:
+        if own_pool:
+            pool.close()
+    out = Outcome(**ranks[0])
+    out.crash = next((r["crash"] for r in ranks if r["crash"]), None)
+    return out
 
 
 def main(argv=None) -> int:
