@@ -70,6 +70,7 @@ SEAMS: dict[str, str] = {
     "transformers.loss.loss_utils.ForCausalLMLoss": "loss",
     f"{_TRAINER}.compute_loss": "loss",
     f"{_TRAINER}._get_num_items_in_batch": "loss",
+    f"{_TRAINER}.create_accelerator_and_postprocess": "loss",  # its accumulation plugin: who divides the loss
     # optimizer: AdamW groups, LR schedule, clipping, zero_grad, step order
     f"{_TRAINER}.get_decay_parameter_names": "optimizer",
     f"{_TRAINER}.create_optimizer": "optimizer",
