@@ -34,7 +34,7 @@ def test_train_resume_continues_from_checkpoint(tmp_path, capsys):
 
 def test_bad_config_is_a_clear_error_not_a_traceback(capsys):
     assert main(["train", "--accum", "3"]) == 2
-    assert "divisible by accum=3" in capsys.readouterr().err
+    assert "--world-size 1 x --accum 3 must divide the preset's batch of 16" in capsys.readouterr().err
 
 
 def test_seams_json_lists_every_seam():
@@ -66,6 +66,7 @@ def test_two_rank_training_matches_single_process(launcher):
 
 
 @pytest.mark.parametrize("argv", [["train", "--precision", "fp8"], ["train", "--preset", "tinny"]])
-def test_argparse_rejects_unknown_choices(argv):
-    with pytest.raises(SystemExit):
+def test_argparse_rejects_unknown_choices(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
         main(argv)
+    assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
