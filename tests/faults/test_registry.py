@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from faults import registry
 from faults.inject import diff, fault_function_source, seam_function_source
 from faults.registry import SUBSYSTEMS, TRIGGERS, FaultError, Manifest, all_faults, fault, get_fault
 from model.seams import SEAMS
@@ -22,13 +23,14 @@ REFERENCE_POINTER = re.compile(r"'[^']{4,}'|#\d+|[\w.-]+/[\w.-]+|\b(19|20)\d\d\b
 
 
 def _source_fault_ids() -> list[tuple[str, str]]:
-    """(file name, id) of every ``@fault("id", ...)`` decorator written in ``faults/*.py``."""
+    """(path under faults/, id) of every ``@fault("id", ...)`` decorator written in the fault modules of every
+    target (the reference's in ``faults/*.py``, another target's in ``faults/<target>/``)."""
     found = []
-    for path in sorted(FAULTS_DIR.glob("*.py")):
+    for path in sorted(FAULTS_DIR.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             for dec in getattr(node, "decorator_list", ()):
                 if isinstance(dec, ast.Call) and getattr(dec.func, "id", None) == "fault":
-                    found.append((path.name, dec.args[0].value))
+                    found.append((str(path.relative_to(FAULTS_DIR)), dec.args[0].value))
     return found
 
 
@@ -38,19 +40,19 @@ def test_ids_are_snake_case_and_match_their_key():
 
 
 def test_each_id_is_written_once_across_the_fault_modules_and_every_one_registers():
-    # the registry is keyed by id: two definitions of one id, or a module the builtin list forgets, only
-    # show in the source
+    # the registry is keyed by id: two definitions of one id (on any target), or a module the builtin list
+    # forgets, only show in the source
     written = _source_fault_ids()
     counts = collections.Counter(i for _, i in written)
     twice = {i: [f for f, j in written if j == i] for i, n in counts.items() if n > 1}
     assert not twice, f"fault ids defined more than once: {twice}"
     builtin = {i for i, s in FAULTS.items() if s.replacements[s.seams[0]].__module__.startswith("faults.")}
-    assert builtin == {i for _, i in written}
+    assert builtin == {i for f, i in written if "/" not in f}  # the reference's own modules
 
 
 def test_registering_an_existing_id_is_refused_and_keeps_the_first():
     taken = FAULT_IDS[0]
-    original = FAULTS[taken]
+    original = registry.FAULTS[taken]
 
     def truncate(ids, max_len, eos_id):
         """Returns the ids unchanged."""
@@ -60,7 +62,7 @@ def test_registering_an_existing_id_is_refused_and_keeps_the_first():
         fault(taken, seam="model.data.truncate", title="t" * 30, subsystem="data", trigger="always",
               symptoms=("silent-quality",), explanation="e" * 30, fix="f" * 30, references=("r" * 30,),
               manifest=Manifest(check="crash"))(truncate)
-    assert FAULTS[taken] is original
+    assert registry.FAULTS[taken] is original
 
 
 def test_titles_are_unique():
