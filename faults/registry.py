@@ -138,7 +138,11 @@ def _check_function(seam: str, fn: Callable) -> None:
     for c in _code_tree(code):
         for i in dis.get_instructions(c):
             names.get(i.opname, set()).add(i.argval)
-    unknown = sorted(n for n in names["LOAD_GLOBAL"] - names["STORE_GLOBAL"]
+    # a name the seam's own code loads is as defined for the copy as for the original (e.g. transformers' ``xm``,
+    # imported only where torch_xla is installed and used only behind that check)
+    seam_loads = {i.argval for c in _code_tree(target.__code__) for i in dis.get_instructions(c)
+                  if i.opname == "LOAD_GLOBAL"}
+    unknown = sorted(n for n in names["LOAD_GLOBAL"] - names["STORE_GLOBAL"] - seam_loads
                      if n not in seam_globals and not hasattr(builtins, n))
     local_only = [n for n in unknown if n in fn.__globals__]
     if local_only:

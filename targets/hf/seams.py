@@ -79,6 +79,7 @@ SEAMS: dict[str, str] = {
     f"{_TRAINER}._clip_grad_norm": "optimizer",
     f"{_ACCEL}.clip_grad_norm_": "optimizer",
     f"{_TRAINER}.training_step": "optimizer",
+    f"{_TRAINER}._run_epoch": "optimizer",  # the step loop: sync steps, clip, step, scheduler step, zero_grad
     "accelerate.optimizer.AcceleratedOptimizer.step": "optimizer",
     # precision: autocast, GradScaler, dtypes
     f"{_TRAINER}.autocast_smart_context_manager": "precision",
@@ -92,6 +93,7 @@ SEAMS: dict[str, str] = {
     f"{_TRAINER}._save_optimizer_and_scheduler": "checkpoint",
     f"{_TRAINER}._load_optimizer_and_scheduler": "checkpoint",
     f"{_TRAINER}._load_from_checkpoint": "checkpoint",
+    f"{_TRAINER}._init_training_state": "checkpoint",
     "accelerate.data_loader.skip_first_batches": "checkpoint",
     # distributed: DDP, per-rank seeding, gradient sync
     "targets.hf.distributed.rank_environment": "distributed",
