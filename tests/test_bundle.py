@@ -38,7 +38,7 @@ def test_capture_does_not_change_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("fault_id, state_step", [
-    ("loss_history_keeps_graph", 0),  # found at step 1 as the run crashes: the last state taken is step 0's
+    ("loss_history_keeps_graph", 1),  # found at step 1 (its record keeps the graph): the state before step 1
     ("step_off_by_one_on_resume", 9),  # found at the resume (step 8): the state just loaded, its counter at 9
     ("sampler_ignores_rank", 0),  # two ranks
 ])
