@@ -23,12 +23,13 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 test: setup
 	$(PY) -m pytest -n auto --dist loadgroup -q
 
-# The main job: every fault x 3 seeds plus the clean matrix, scored; writes results/ (cached per case).
+# The main job: every fault x 3 seeds plus the clean matrix of both targets (ref, hf), scored; writes results/
+# (cached per case). `faultbench bench --target ref|hf` runs one target.
 bench: setup
-	$(PY) -m harness bench
+	$(PY) -m harness bench --target all
 
 bench-quick: setup
-	$(PY) -m harness bench --quick --out results/quick
+	$(PY) -m harness bench --quick --target all --out results/quick
 
 # Peer tools, each in a venv of its own so the core install stays lean (torch pinned in each):
 # TrainCheck and torcheck (torcheck declares an old torch: installed without its dependencies), and
@@ -56,8 +57,8 @@ bench-peers: setup $(PEERS)/.installed $(SMDEBUG)/.installed
 	$(PEERS)/bin/python -m pytest -q -p no:cacheprovider tests/peers
 	$(SMDEBUG)/bin/python -m pytest -q -p no:cacheprovider tests/peers/test_smdebug_peer.py
 	$(PY) -m harness bench
-	$(PEERS)/bin/python -m harness bench --plugin peers.torcheck_peer --detectors torcheck --out results/peers/torcheck
-	$(SMDEBUG)/bin/python -m harness bench --plugin peers.smdebug_peer --detectors smdebug --out results/peers/smdebug
+	$(PEERS)/bin/python -m harness bench --target ref --plugin peers.torcheck_peer --detectors torcheck --out results/peers/torcheck
+	$(SMDEBUG)/bin/python -m harness bench --target ref --plugin peers.smdebug_peer --detectors smdebug --out results/peers/smdebug
 	$(PEERS)/bin/python -m peers.traincheck_peer --out results/peers/traincheck
 	$(PEERS)/bin/python -m peers.overhead torcheck
 	$(SMDEBUG)/bin/python -m peers.overhead smdebug

@@ -30,17 +30,19 @@ from pathlib import Path
 
 import torch
 
+import targets
 from detectors.api import all_detectors, resolve_ids
 from harness.atomic import write_text
-from harness.case import RECIPES, Case, assign_recipes, behaviour, case_hash, execute, failed_record, source_digest
+from harness.case import Case, assign_recipes, behaviour, case_hash, execute, failed_record, source_digest
 from harness.detect import detector_groups
-from harness.score import SUITE, aggregate, case_rows, exclusive_overhead, not_runnable, per_fault
+from harness.report import split_timings
+from harness.score import SUITE, aggregate, case_rows, exclusive_overhead, not_runnable, per_fault, target_of
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench"
 SEEDS = (0, 1, 2)
 CASE_TIMEOUT_S = 180.0
-TARGETS = {  # issue 5's goals, printed next to the measured values
+GOALS = {  # issue 5's goals, printed next to the measured values
     "detection_rate": (">=", 0.95), "false_positive_rate": ("<=", 0.0), "top1_subsystem": (">=", 0.90),
     "top1_seam": (">=", 0.75), "median_latency_steps": ("<=", 0), "overhead_ratio": ("<=", 1.05),
 }
@@ -49,6 +51,7 @@ TARGETS = {  # issue 5's goals, printed next to the measured values
 @dataclass
 class BenchConfig:
     seeds: tuple[int, ...] = SEEDS
+    targets: tuple[str, ...] = targets.names()  # the stacks whose faults (and clean matrix) run
     detectors: tuple[str, ...] = ("all",)
     plugins: tuple[str, ...] = ()
     only_plugin_faults: bool = False
@@ -64,27 +67,47 @@ class BenchConfig:
     command: tuple[str, ...] = ()  # the command line, recorded in the bundles
 
 
-def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
-    """The cases to run and the metadata of the faults they inject (the scorer's answer key)."""
-    from faults.registry import FAULTS, all_faults, load_plugin
+def recipes_of(target: str) -> dict:
+    """The clean matrix's recipes of ``target`` (every recipe it has)."""
+    return targets.get(target).recipes()
 
-    builtin = set(all_faults())
+
+def select_faults(cfg: BenchConfig) -> dict:
+    """The faults the bench runs: every registered fault of ``cfg.targets`` (plugins included; only theirs
+    with ``only_plugin_faults``), or ``cfg.faults``; a listed fault of another target raises ``ValueError``."""
+    from faults.registry import all_faults, get_fault, load_plugin
+
+    builtin = {f for t in cfg.targets for f in all_faults(t)}
     for plugin in cfg.plugins:
         load_plugin(plugin)
-    specs = dict(all_faults())
-    if cfg.only_plugin_faults:
-        specs = {k: v for k, v in specs.items() if k not in builtin}
     if cfg.faults is not None:
-        specs = {k: FAULTS[k] for k in cfg.faults}
+        specs = {f: get_fault(f) for f in cfg.faults}
+        outside = [f"{f} (target {s.target})" for f, s in specs.items() if s.target not in cfg.targets]
+        if outside:
+            raise ValueError(f"--fault {', '.join(outside)} is not a fault of --target {','.join(cfg.targets)}")
+        return specs
+    specs = {k: v for t in cfg.targets for k, v in all_faults(t).items()}
+    return {k: v for k, v in specs.items() if k not in builtin} if cfg.only_plugin_faults else specs
+
+
+def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
+    """The cases to run and the metadata of the faults they inject (the scorer's answer key).
+
+    The clean matrix covers the targets of the selected faults (every recipe x seed), or ``cfg.targets`` when
+    no fault is selected: a clean case serves the faults of its own target (false positives, manifested)."""
+    specs = select_faults(cfg)
     groups = [g for g in detector_groups(resolve_ids(cfg.detectors)) if cfg.exclusive or len(g) > 1
               or not all_detectors()[g[0]].exclusive]
     runs, not_runnable = assign_recipes(specs)  # a fault no recipe can show gets no case, only its reason
+    clean_targets = [t for t in cfg.targets if t in {s.target for s in specs.values()}] or list(cfg.targets)
     cases = []
     for seed in cfg.seeds:
         for fault_id, recipes in runs.items():
-            cases += [Case(recipe, seed, (fault_id,), group, cfg.plugins) for recipe in recipes for group in groups]
+            cases += [Case(recipe, seed, (fault_id,), group, cfg.plugins, specs[fault_id].target)
+                      for recipe in recipes for group in groups]
         if cfg.clean:
-            cases += [Case(recipe, seed, (), group, cfg.plugins) for recipe in RECIPES for group in groups]
+            cases += [Case(recipe, seed, (), group, cfg.plugins, target) for target in clean_targets
+                      for recipe in recipes_of(target) for group in groups]
     faults = {k: v.metadata() for k, v in specs.items()}
     for fault_id, reason in not_runnable.items():
         faults[fault_id]["not_runnable"] = reason
@@ -92,12 +115,12 @@ def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
 
 
 def code_digest(plugins=()) -> str:
-    """The digest of every source a case's result depends on: the project's and its plugins' (a plugin's
-    file, or its module's file, loaded already)."""
+    """The digest of every source a case's result depends on: the project's (every target's too) and its
+    plugins' (a plugin's file, or its module's file, loaded already)."""
     import hashlib
     import importlib.util
 
-    digest = source_digest("model", "faults", "detectors", "harness/case.py", "harness/golden.py")
+    digest = source_digest("model", "targets", "faults", "detectors", "harness/case.py", "harness/golden.py")
     for plugin in plugins:
         path = Path(plugin) if plugin.endswith(".py") else Path(importlib.util.find_spec(plugin).origin)
         digest = hashlib.sha256((digest + path.read_text()).encode()).hexdigest()
@@ -145,7 +168,7 @@ class ForkRunner:
             while pending and len(running) < self.jobs:
                 case = pending.pop(0)
                 parent, child = self.ctx.Pipe(duplex=False)
-                args = (case, golden.get(case.recipe), child, self.bundles, self.command)
+                args = (case, golden_of(golden, case), child, self.bundles, self.command)
                 proc = self.ctx.Process(target=_child, args=args, daemon=True)
                 proc.start()
                 child.close()
@@ -170,16 +193,22 @@ class ForkRunner:
                     done(case, failed_record(case, "Hang", f"killed after {self.timeout_s:.0f}s without finishing"))
 
 
-def _warm_up(cases: list[Case]) -> None:
-    """Build each recipe's run here once, so every forked case starts with its corpus in memory and torch's
-    lazy imports done (the first optimizer imports torch._dynamo: 1.4 s per process otherwise)."""
-    from model.run import build_run
-    from model.train import next_micro_batches, train_step
+def golden_of(golden: dict, case: Case) -> dict | None:
+    """The golden entry of the case's recipe (``golden``: target -> recipe -> entry)."""
+    return golden.get(case.target, {}).get(case.recipe)
 
+
+def _warm_up(cases: list[Case]) -> None:
+    """Import each target of ``cases`` and warm each single-process recipe here once (``Target.warm_up``), so
+    every forked case starts with its stack imported (transformers costs seconds) and its corpus in memory."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers' threads do not survive a fork
-    for recipe in {c.recipe for c in cases if RECIPES[c.recipe].world_size == 1}:
-        run = build_run(RECIPES[recipe].config(0))
-        train_step(run, next_micro_batches(run))
+    for target, recipe in dict.fromkeys((c.target, c.recipe) for c in cases if c.world_size == 1):
+        targets.get(target).warm_up(recipe)
+
+
+def preload(cases: list[Case]) -> tuple[str, ...]:
+    """The modules the rank pool's forkserver imports for the targets of ``cases``."""
+    return tuple(m for t in dict.fromkeys(c.target for c in cases) for m in targets.get(t).preload)
 
 
 class Progress:
@@ -268,12 +297,14 @@ def run_bench(cfg: BenchConfig) -> dict:
             write_text(CACHE / f"{case_hash(case, digest)}.json", json.dumps(record))
         progress.update(case.name)
 
-    pool = RankPool(2) if any(RECIPES[c.recipe].world_size > 1 for c in todo) else None
+    ranked = [c for c in todo if c.world_size > 1]
+    pool = RankPool(2, preload=preload(ranked)) if ranked else None
+
     def run_all(batch: list[Case], golden: dict, on_done, bundles: Path | None = None) -> None:
         runner = ForkRunner(cfg.jobs, cfg.timeout_s, bundles, cfg.command)
-        runner.run([c for c in batch if RECIPES[c.recipe].world_size == 1], golden, on_done)
-        for case in (c for c in batch if RECIPES[c.recipe].world_size > 1):
-            on_done(case, run_and_bundle(case, golden.get(case.recipe), bundles, cfg.command, pool, cfg.timeout_s))
+        runner.run([c for c in batch if c.world_size == 1], golden, on_done)
+        for case in (c for c in batch if c.world_size > 1):
+            on_done(case, run_and_bundle(case, golden_of(golden, case), bundles, cfg.command, pool, cfg.timeout_s))
 
     def run_golden(golden_cases: list[Case]) -> list[dict]:
         finished: dict[Case, dict] = {}
@@ -282,7 +313,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     try:
         _warm_up(todo)
-        golden = load_golden(sorted({c.recipe for c in todo}), run_cases=run_golden) if todo else {}
+        golden = {t: load_golden(sorted({c.recipe for c in todo if c.target == t}), run_cases=run_golden, target=t)
+                  for t in dict.fromkeys(c.target for c in todo)}
         run_all(todo, golden, done, cfg.bundles)
     finally:
         if pool is not None:
@@ -301,33 +333,44 @@ def mark_manifested(records: dict[Case, dict]) -> None:
             record["manifested"] = None if clean is None else behaviour(record) != behaviour(clean)
 
 
-def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float,
-                    cached: int = 0) -> dict:
-    from harness.report import split_timings, write_results
-
-    registry = all_detectors()
-    suite = [d for d in registry if not registry[d].baseline]
-    rows = [row for record in records for row in case_rows(record, faults, suite)]
+def target_scores(rows: list[dict], records: list[dict], faults: dict[str, dict], registry) -> tuple[dict, dict]:
+    """One target's summary (its rows, records and faults) and its detectors' timings, apart."""
     passive = {d: cls.passive for d, cls in registry.items()}
     detector_ids = list(dict.fromkeys(r["detector"] for r in rows))
     scores = {d: aggregate([r for r in rows if r["detector"] == d], passive) for d in detector_ids}
     for d in detector_ids:
         if d in registry and registry[d].exclusive:
             scores[d]["overhead_ratio"] = exclusive_overhead(rows, d)
-    # the clock's readings apart from the scores, so that a re-run of unchanged code rewrites the same scores
-    timings = {"wall_s": round(wall_s, 1), "cached_cases": cached,  # from .cache/bench: wall_s covers the rest
-               "detectors": split_timings(scores)}
-    summary = {
+    timings = split_timings(scores)  # the clock's readings apart, so that a re-run rewrites the same scores
+    return {
         "suite": scores.pop(SUITE, None),
         "detectors": scores,
         "cases": len(records),
         "faults": len(faults),
-        "seeds": list(cfg.seeds),
-        "targets": {k: list(v) for k, v in TARGETS.items()},
         "per_fault": per_fault(rows, faults),
         "not_runnable": not_runnable(faults),
         "crashed_cases": sum(bool(r["crash"]) for r in records),
         "hung_cases": sum(bool(r.get("hang")) for r in records),
-    }
+    }, timings
+
+
+def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float,
+                    cached: int = 0) -> dict:
+    """Score every target apart (summary.json's "targets"), write the results, return the summary."""
+    from harness.report import write_results
+
+    registry = all_detectors()
+    suite = [d for d in registry if not registry[d].baseline]
+    rows = [row for record in records for row in case_rows(record, faults, suite)]
+    names = [t for t in targets.names() if any(target_of(r) == t for r in records)]
+    per_target, per_timings = {}, {}
+    for t in names:
+        per_target[t], per_timings[t] = target_scores(
+            [r for r in rows if r["target"] == t], [r for r in records if target_of(r) == t],
+            {f: m for f, m in faults.items() if m["target"] == t}, registry)
+    timings = {"wall_s": round(wall_s, 1), "cached_cases": cached,  # from .cache/bench: wall_s covers the rest
+               "detectors": per_timings}
+    summary = {"cases": len(records), "faults": len(faults), "seeds": list(cfg.seeds),
+               "goals": {k: list(v) for k, v in GOALS.items()}, "targets": per_target}
     write_results(cfg.out, rows, summary, timings, faults, registry)
     return summary

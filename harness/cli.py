@@ -40,6 +40,24 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _target_name(text: str) -> str:
+    """A target's name (``ref``, ``hf``); an unknown one is refused with the closest name."""
+    import targets
+
+    try:
+        targets.get(text) if text not in targets.names() else None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _targets_or_all(text: str) -> tuple[str, ...]:
+    """``all`` (every target) or one target's name, as the tuple of targets meant."""
+    import targets
+
+    return targets.names() if text == "all" else (_target_name(text),)
+
+
 def _train(args) -> int:
     import os
 
@@ -96,16 +114,32 @@ def _check_batch_split(base, world: int, accum: int | None, world_flag: str = "-
                          f"{base.train.batch_size} documents per step (equal micro-batches on every rank)")
 
 
-def _seams(args) -> int:
-    from model.seams import seams
+def seam_rows(target: str) -> list[dict]:
+    """Every seam of ``target`` with its subsystem and definition's file:line (relative to this repository, or
+    to the installed package's folder: ``transformers/trainer.py``), in table order."""
+    import inspect
 
-    table = seams()
+    import targets
+    from faults.inject import display_path
+
+    stack = targets.get(target)
+    rows = []
+    for name, subsystem in stack.seams().items():
+        fn = inspect.unwrap(stack.resolve(name))
+        _, line = inspect.getsourcelines(fn)
+        rows.append({"name": name, "subsystem": subsystem, "file": display_path(inspect.getsourcefile(fn)),
+                     "line": line})
+    return rows
+
+
+def _seams(args) -> int:
+    table = seam_rows(args.target)
     if args.json:
-        print(json.dumps([s.to_dict() for s in table], indent=2))
+        print(json.dumps(table, indent=2))
     else:
-        width = max(len(s.name) for s in table)
+        width = max(len(s["name"]) for s in table)
         for s in table:
-            print(f"{s.subsystem:<11} {s.name:<{width}}  {s.file}:{s.line}")
+            print(f"{s['subsystem']:<11} {s['name']:<{width}}  {s['file']}:{s['line']}")
     return 0
 
 
@@ -120,12 +154,12 @@ def _faults(args) -> int:
     from faults.registry import all_faults
 
     _load_plugins(args)
-    faults = [f for f in all_faults().values() if args.subsystem in (None, f.subsystem)]
+    faults = [f for t in args.target for f in all_faults(t).values() if args.subsystem in (None, f.subsystem)]
     if args.json:
         print(json.dumps([f.metadata() for f in faults], indent=2))
         return 0
-    for f in sorted(faults, key=lambda f: (f.subsystem, f.id)):
-        print(f"{f.subsystem:<11} {f.id:<36} {f.trigger:<11} {','.join(f.symptoms):<22} {f.title}")
+    for f in sorted(faults, key=lambda f: (f.target, f.subsystem, f.id)):
+        print(f"{f.target:<4} {f.subsystem:<11} {f.id:<36} {f.trigger:<11} {','.join(f.symptoms):<22} {f.title}")
     print(f"{len(faults)} faults")
     return 0
 
@@ -141,7 +175,7 @@ def _show(args) -> int:
         print(json.dumps({**meta, "diff": diff(spec.id)}, indent=2))
         return 0
     print(f"{spec.id}: {spec.title}")
-    for key in ("subsystem", "also_acceptable", "seams", "trigger", "symptoms"):
+    for key in ("target", "subsystem", "also_acceptable", "seams", "trigger", "symptoms"):
         value = meta[key]
         print(f"  {key:<16} {', '.join(value) if isinstance(value, (list, tuple)) else value}")
     print(f"\nwhat is wrong:\n  {spec.explanation}\n\nfix:\n  {spec.fix}\n\nmodels:")
@@ -157,10 +191,15 @@ def _run(args) -> int:
 
     torch.set_num_threads(1)
     _load_plugins(args)
-    for fault_id in args.fault:
-        get_fault(fault_id)  # unknown ids fail here, with a suggestion
+    stacks = {get_fault(fault_id).target for fault_id in args.fault}  # unknown ids fail here, with a suggestion
+    if len(stacks) > 1:
+        raise ValueError(f"--fault: the faults belong to different targets ({', '.join(sorted(stacks))}); "
+                         "run one target's faults at a time")
+    (target,) = stacks
     if args.detectors:
         return _run_detectors(args)
+    if target != "ref":
+        return _run_target(args, target)
     _check_batch_split(get_preset(args.preset), args.world_size, args.accum)
     variant = {"train": {}, "data": {}}
     if args.precision:
@@ -169,13 +208,36 @@ def _run(args) -> int:
         variant["data"]["pad_side"] = args.pad_side
     if args.accum:
         variant["train"]["accum"] = args.accum
-    clean, faulty, report = compare(args.fault, variant, args.steps, args.seed, args.world_size,
+    clean, faulty, report = compare(args.fault, variant, args.steps or 100, args.seed, args.world_size,
                                     tuple(args.plugin or ()), args.preset)
     if args.plot:
         from harness.plot import plot_runs
 
         plot_runs({"clean": clean, "faulty": faulty}, args.plot, title=", ".join(args.fault))
         report["plot"] = args.plot
+    if args.json:
+        print(describe(report), file=sys.stderr)
+        print(json.dumps(report, default=str))
+    else:
+        print(describe(report))
+    return 0
+
+
+def _run_target(args, target: str) -> int:
+    """Clean vs faulty on another target than the reference: the fault's own proof scenario and variant (its
+    manifest), ``--steps``/``--seed`` applied; the reference's config flags do not apply there."""
+    from faults.registry import get_fault
+    from harness.faulty_run import compare_target, describe
+
+    ignored = [flag for flag, value in (("--precision", args.precision), ("--pad-side", args.pad_side),
+                                        ("--accum", args.accum), ("--plot", args.plot)) if value]
+    if ignored or args.world_size != 1 or args.preset != "tiny":
+        raise ValueError(f"{', '.join(ignored) or '--world-size/--preset'} configure the reference; a {target} fault "
+                         "runs in its manifest's scenario and variant (--steps, --seed and --detectors apply)")
+    manifest = get_fault(args.fault[0]).manifest
+    steps = args.steps or manifest.steps
+    _, _, report = compare_target(target, args.fault, manifest.scenario, manifest.variant, steps, args.seed,
+                                  tuple(args.plugin or ()))
     if args.json:
         print(describe(report), file=sys.stderr)
         print(json.dumps(report, default=str))
@@ -250,7 +312,8 @@ def _bench(args) -> int:
         raise ValueError(f"--out {args.out} is a file, not a folder")
     if args.only_plugin_faults and not args.plugin:
         raise ValueError("--only-plugin-faults needs a --plugin that registers faults")
-    cfg = BenchConfig(seeds=seeds, detectors=tuple(args.detectors or ("all",)), plugins=tuple(args.plugin or ()),
+    cfg = BenchConfig(seeds=seeds, targets=args.target, detectors=tuple(args.detectors or ("all",)),
+                      plugins=tuple(args.plugin or ()),
                       exclusive=not args.quick,
                       only_plugin_faults=args.only_plugin_faults, faults=tuple(args.fault) if args.fault else None,
                       jobs=args.jobs, out=Path(args.out), use_cache=not args.no_cache, progress=not args.json,
@@ -320,12 +383,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--json", action="store_true", help="progress on stderr; last stdout line is a JSON summary")
     train.set_defaults(func=_train)
 
-    seams = sub.add_parser("seams", help="list every seam of the reference with its subsystem and file:line")
+    seams = sub.add_parser("seams", help="list every seam of a target with its subsystem and file:line")
+    seams.add_argument("--target", type=_target_name, default="ref", help="ref (default) or hf")
     seams.add_argument("--json", action="store_true")
     seams.set_defaults(func=_seams)
 
     faults = sub.add_parser("faults", help="list the registered faults")
     faults.add_argument("--subsystem", choices=SUBSYSTEMS)
+    faults.add_argument("--target", type=_targets_or_all, default=("ref",), metavar="ref|hf|all",
+                        help="whose faults (default ref)")
     faults.add_argument("--plugin", action="append", help="load faults from a .py file or module (repeatable)")
     faults.add_argument("--json", action="store_true")
     faults.set_defaults(func=_faults)
@@ -340,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fault", action="append", required=True, help="fault id (repeatable)")
     run.add_argument("--plugin", action="append", help="load faults from a .py file or module (repeatable)")
     run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    run.add_argument("--steps", type=_positive_int, default=100)
+    run.add_argument("--steps", type=_positive_int,
+                     help="optimizer steps (default: 100 on the reference; a fault of another target: its manifest's)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--precision", choices=PRECISIONS)
     run.add_argument("--pad-side", choices=PAD_SIDES)
@@ -371,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one seed unless --seeds says otherwise, and no exclusive detectors (anomaly mode needs "
                             "a second run of every case)")
     bench.add_argument("--seeds", type=_positive_int, help="seeds 0..N-1 (default 3; 1 with --quick)")
+    bench.add_argument("--target", type=_targets_or_all, default="all", metavar="ref|hf|all",
+                       help="the stacks whose faults and clean matrix run (default all)")
     bench.add_argument("--plugin", action="append", help="load faults/detectors from a .py file or module")
     bench.add_argument("--only-plugin-faults", action="store_true", help="score only the plugins' faults")
     bench.add_argument("--fault", action="append", help="only this fault (repeatable)")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import tempfile
 
+import targets
 from detectors.api import all_detectors, rank_key, resolve_ids
-from harness.case import RECIPES, Case, execute, recipe_for
+from harness.case import Case, execute, recipe_for
 
 
 def detector_groups(ids) -> list[tuple[str, ...]]:
@@ -16,16 +17,28 @@ def detector_groups(ids) -> list[tuple[str, ...]]:
     return ([shared] if shared else []) + [(d,) for d in ids if registry[d].exclusive]
 
 
-def case_recipe(fault_ids, recipe: str | None = None) -> str:
-    """The recipe the faults run in: ``recipe`` if given (checked), else the first fault's, else fp32. An
+def case_target(fault_ids) -> str:
+    """The target the faults belong to (none: the reference); faults of two targets raise ``ValueError``. An
     unknown fault id raises here, with its "did you mean"."""
     from faults.registry import get_fault
 
-    specs = [get_fault(f) for f in fault_ids]
+    stacks = sorted({get_fault(f).target for f in fault_ids}) or ["ref"]
+    if len(stacks) > 1:
+        raise ValueError(f"the faults belong to different targets ({', '.join(stacks)}): one case runs on one")
+    return stacks[0]
+
+
+def case_recipe(fault_ids, recipe: str | None = None) -> str:
+    """The recipe of the faults' target they run in: ``recipe`` if given (checked), else the first fault's, else
+    fp32."""
+    from faults.registry import get_fault
+
+    target = case_target(fault_ids)
+    recipes = targets.get(target).recipes()
     if recipe is None:
-        recipe = recipe_for(specs[0].manifest) if specs else "fp32"
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
+        recipe = recipe_for(get_fault(fault_ids[0]).manifest, target) if fault_ids else "fp32"
+    if recipe not in recipes:
+        raise ValueError(f"unknown {target} recipe {recipe!r}; expected one of {', '.join(recipes)}")
     return recipe
 
 
@@ -41,16 +54,20 @@ def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None
     for plugin in plugins:
         load_plugin(plugin)
     recipe = case_recipe(fault_ids, recipe)
-    cases = [Case(recipe, seed, tuple(fault_ids), group, tuple(plugins)) for group in
+    target = case_target(fault_ids)
+    stack = targets.get(target)
+    bundle = bundle if stack.captures else None  # a target that captures no steps makes no repro bundle
+    cases = [Case(recipe, seed, tuple(fault_ids), group, tuple(plugins), target) for group in
              detector_groups(resolve_ids(detectors))]
     pool = None
-    if RECIPES[recipe].world_size > 1:
+    world_size = stack.recipes()[recipe].world_size
+    if world_size > 1:
         from harness.launch import RankPool
 
-        pool = RankPool(RECIPES[recipe].world_size)
+        pool = RankPool(world_size, preload=stack.preload)
     with tempfile.TemporaryDirectory(prefix="faultbench-capture-") as capture:
         try:
-            golden = load_golden([recipe], pool)[recipe]
+            golden = load_golden([recipe], pool, target=target)[recipe]
             records = [execute(case, golden, pool, capture_dir=f"{capture}/{i}" if bundle else None)
                        for i, case in enumerate(cases)]
         finally:
@@ -68,7 +85,8 @@ def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None
 def describe_findings(record: dict, limit: int = 20) -> str:
     """The ranked findings of a case record with their evidence, and its crash and detector errors."""
     case = record["case"]
-    lines = [f"case {'+'.join(case['faults']) or 'clean'} / {case['recipe']} / seed {case['seed']}: "
+    lines = [f"case {case.get('target', 'ref')}: {'+'.join(case['faults']) or 'clean'} / {case['recipe']} / "
+             f"seed {case['seed']}: "
              f"{len(record['history'])} steps, val_loss {record['val_loss']}"]
     if record["crash"]:
         c = record["crash"]

@@ -13,7 +13,22 @@ def compare(fault_ids, variant: dict, steps: int, seed: int, world_size: int = 1
     scenario = "ddp" if world_size > 1 else "train"
     clean = run_scenario(scenario, variant, steps, seed, preset=preset)
     faulty = run_scenario(scenario, variant, steps, seed, fault_ids, plugins, preset=preset)
-    report = {
+    return clean, faulty, report_of(clean, faulty, fault_ids, variant, steps, seed)
+
+
+def compare_target(target: str, fault_ids, scenario: str, variant: dict, steps: int, seed: int,
+                   plugins=()) -> tuple[Outcome, Outcome, dict]:
+    """Clean and faulty on ``target`` in one of its proof scenarios (``harness.scenario.run_scenario``)."""
+    clean = run_scenario(scenario, variant, steps, seed, plugins=plugins, target=target)
+    faulty = run_scenario(scenario, variant, steps, seed, fault_ids, plugins, target=target)
+    report = report_of(clean, faulty, fault_ids, variant, steps, seed)
+    report.update(target=target, scenario=scenario, extra=faulty.extra, clean_extra=clean.extra)
+    return clean, faulty, report
+
+
+def report_of(clean: Outcome, faulty: Outcome, fault_ids, variant: dict, steps: int, seed: int) -> dict:
+    """What the faulty run did against the clean one, JSON-able."""
+    return {
         "faults": list(fault_ids),
         "steps": steps,
         "seed": seed,
@@ -30,7 +45,6 @@ def compare(fault_ids, variant: dict, steps: int, seed: int, world_size: int = 1
         "skipped_steps": sum(faulty.skipped),
         "clean_skipped_steps": sum(clean.skipped),
     }
-    return clean, faulty, report
 
 
 def _median_ratio(a: list[float], b: list[float]) -> float | None:
@@ -41,11 +55,12 @@ def _median_ratio(a: list[float], b: list[float]) -> float | None:
 
 def describe(report: dict) -> str:
     """Plain-language summary of a report, the way a colleague would describe the run."""
-    lines = [f"faults: {', '.join(report['faults'])}  ({report['steps']} steps, seed {report['seed']})"]
+    where = f"target {report['target']}, scenario {report['scenario']}, " if "target" in report else ""
+    lines = [f"faults: {', '.join(report['faults'])}  ({where}{report['steps']} steps, seed {report['seed']})"]
     if report["crash"]:
         c = report["crash"]
         lines.append(f"CRASH at step {c['step']}: {c['type']}: {c['message'][:200]}")
-        lines.append(f"  innermost reference frame: {report['crash_frame']}")
+        lines.append(f"  innermost frame of the stack on the traceback: {report['crash_frame']}")
     if report["nan_step"] is not None:
         lines.append(f"loss became non-finite at step {report['nan_step']}")
     if report["final_loss"] is not None:
@@ -58,4 +73,9 @@ def describe(report: dict) -> str:
         lines.append(f"pre-clip grad norm {ratio:.3g}x the clean run's (median over steps)")
     if report["skipped_steps"] or report["clean_skipped_steps"]:
         lines.append(f"skipped steps {report['skipped_steps']} vs clean {report['clean_skipped_steps']}")
+    for key, value in sorted(report.get("extra", {}).items()):  # a target scenario's probes (gaps, shares)
+        clean = report["clean_extra"].get(key)
+        if value != clean:
+            lines.append(f"{key} {value:.4g} vs clean {clean:.4g}" if isinstance(value, float) and
+                         isinstance(clean, float) else f"{key} {value} vs clean {clean}")
     return "\n".join(lines)

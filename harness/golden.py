@@ -1,10 +1,13 @@
-"""Golden runs: recorded traces of the clean reference for every recipe, the envelope detectors compare to.
+"""Golden runs: recorded traces of the clean stack for every recipe of every target, the envelope detectors
+compare to.
 
 Detectors may compare a run with traces of clean reference runs (as TrainCheck infers invariants
 from clean runs). The traces come from seeds the bench never uses (``GOLDEN_SEEDS``), so a detector
 learns what a healthy run of the recipe looks like, never the numbers of the case it watches. They
-are cached in ``.cache/golden/`` keyed by the digest of ``model/`` and this file, and recorded again
-whenever either changes.
+are cached in ``.cache/golden/<target>-<digest>.json``, the digest of ``model/``, the target's package and
+this file, and recorded again whenever any changes; an entry belongs to one target's recipe.
+The recorder needs only what every target's run context has (``ctx.run.model``, the hooks), so the HF
+target's traces hold the same fields.
 
 A golden entry per recipe: {"seeds": [...], "runs": [trace, ...]} where a trace holds the step
 history (loss, grad_norm, lr, scale, skipped, tokens_per_s), the val loss, the model's structure
@@ -75,18 +78,20 @@ class GoldenRecorder(Detector):
         self.trace["val_loss"] = metrics["val_loss"]
 
 
-def golden_cases(recipes) -> list:
-    """The clean cases whose traces make the golden entries of ``recipes``."""
+def golden_cases(recipes, target: str = "ref") -> list:
+    """The clean cases whose traces make the golden entries of ``target``'s ``recipes``."""
     from harness.case import Case
 
-    return [Case(recipe, seed, detectors=(GoldenRecorder.id,)) for recipe in recipes for seed in GOLDEN_SEEDS]
+    return [Case(recipe, seed, detectors=(GoldenRecorder.id,), target=target) for recipe in recipes
+            for seed in GOLDEN_SEEDS]
 
 
 def trace_of(record: dict) -> dict:
     """A golden trace from a finished golden case: its step history plus what the recorder saw."""
     case = record["case"]
     if record["crash"]:
-        raise RuntimeError(f"the clean reference crashed in golden run {case['recipe']}/s{case['seed']}: "
+        raise RuntimeError(f"the clean {case.get('target', 'ref')} stack crashed in golden run "
+                           f"{case['recipe']}/s{case['seed']}: "
                            f"{record['crash']['message']}")
     trace = dict(record["summaries"][GoldenRecorder.id])
     history = record["history"]
@@ -94,36 +99,39 @@ def trace_of(record: dict) -> dict:
     return trace
 
 
-def digest() -> str:
+def digest(target: str = "ref") -> str:
+    """The sources ``target``'s clean runs depend on: the reference's, and another target's package too."""
     from harness.case import source_digest
 
-    return source_digest("model", "harness/golden.py", "harness/case.py")[:16]
+    stack = () if target == "ref" else (f"targets/{target}", "targets/__init__.py")
+    return source_digest("model", *stack, "harness/golden.py", "harness/case.py")[:16]
 
 
-def _key(recipe: str) -> str:
-    """A golden entry belongs to the recipe as defined now (a changed step count is another entry)."""
+def _key(recipe: str, target: str = "ref") -> str:
+    """A golden entry belongs to the target's recipe as defined now (a changed step count is another entry)."""
     import hashlib
 
-    from harness.case import RECIPES
+    import targets
 
-    return f"{recipe}-{hashlib.sha1(repr(RECIPES[recipe]).encode()).hexdigest()[:8]}"
+    definition = repr(targets.get(target).recipes()[recipe])
+    return f"{target}/{recipe}-{hashlib.sha1(definition.encode()).hexdigest()[:8]}"
 
 
-def load_golden(recipes, pool=None, run_cases=None) -> dict:
-    """The golden entry of every recipe in ``recipes``, recorded (and cached) where missing.
+def load_golden(recipes, pool=None, run_cases=None, target: str = "ref") -> dict:
+    """The golden entry of every recipe of ``target`` in ``recipes``, recorded (and cached) where missing.
 
     ``run_cases(cases) -> records`` runs the missing golden cases (the bench runs them in parallel);
     by default they run one after the other here (on ``pool`` for the data-parallel recipes).
     """
     from harness.case import execute
 
-    path = CACHE / f"{digest()}.json"
+    path = CACHE / f"{target}-{digest(target)}.json"
     golden = json.loads(path.read_text()) if path.exists() else {}
-    missing = golden_cases([r for r in recipes if _key(r) not in golden])
+    missing = golden_cases([r for r in recipes if _key(r, target) not in golden], target)
     if missing:
         records = run_cases(missing) if run_cases else [execute(case, None, pool) for case in missing]
         for case, record in zip(missing, records, strict=True):
-            entry = golden.setdefault(_key(case.recipe), {"seeds": list(GOLDEN_SEEDS), "runs": []})
+            entry = golden.setdefault(_key(case.recipe, target), {"seeds": list(GOLDEN_SEEDS), "runs": []})
             entry["runs"].append(trace_of(record))
         write_text(path, json.dumps(golden))
-    return {r: golden[_key(r)] for r in recipes}
+    return {r: golden[_key(r, target)] for r in recipes}

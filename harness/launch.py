@@ -67,14 +67,16 @@ class RankPool:
     """``world_size`` worker processes in one torch.distributed group, reused across cases."""
 
     def __init__(self, world_size: int, backend: str = "gloo", start_method: str = "forkserver",
-                 pg_timeout_s: float = 60.0):
+                 pg_timeout_s: float = 60.0, preload: tuple[str, ...] = ()):
+        """``preload``: modules the forkserver imports besides the reference's training stack (a target's,
+        e.g. ``targets.hf.case``: transformers costs seconds per worker otherwise)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.backend, self.pg_timeout_s = world_size, backend, pg_timeout_s
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # workers fork from a server that has already imported the training stack
-            self._ctx.set_forkserver_preload(["torch", "model.run", "model.train", "model.checkpoint"])
+            self._ctx.set_forkserver_preload(["torch", "model.run", "model.train", "model.checkpoint", *preload])
         self._procs: list = []
 
     def _start(self, timeout_s: float) -> None:

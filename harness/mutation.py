@@ -1,6 +1,10 @@
-"""Mutation score: run the reference's unit tests once per fault, injected; which faults do they kill?
+"""Mutation score: run each target's clean-guarantee tests once per fault of it, injected; which do they kill?
 
     python -m harness.mutation [--tests "tests/model tests/distributed"] [--out results/mutation.md] [--fault ID ...]
+
+A fault is run against the tests of its own target (``Target.clean_guarantees``: the reference's
+tests/model and tests/distributed modules, the HF target's tests/hf modules); ``--tests`` overrides that
+for every fault.
 
 The suite stops at its first failure (-x): a killed fault needs one failing test, a survivor runs all.
 
@@ -16,8 +20,16 @@ import subprocess
 import sys
 import time
 
+import targets
 from faults.registry import all_faults
 from harness.atomic import write_text
+
+
+def guarantee_tests(target: str) -> str:
+    """The test folders holding ``target``'s clean-guarantee modules, space-separated (``tests.hf.test_ddp`` ->
+    ``tests/hf``): every test of those folders runs."""
+    folders = (m.rsplit(".", 1)[0].replace(".", "/") for m in targets.get(target).clean_guarantees)
+    return " ".join(dict.fromkeys(folders))
 
 
 def run_suite(tests: str, fault_id: str | None, timeout_s: float = 900) -> tuple[str, list[str], float]:
@@ -38,38 +50,49 @@ def run_suite(tests: str, fault_id: str | None, timeout_s: float = 900) -> tuple
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tests", default="tests/model tests/distributed", help="space-separated test paths")
+    parser.add_argument("--tests", help="space-separated test paths (default: each fault's target's "
+                                       "clean-guarantee tests)")
     parser.add_argument("--out", default="results/mutation.md")
     parser.add_argument("--fault", action="append", help="only these faults (default: all)")
     args = parser.parse_args(argv)
 
-    baseline, failed, _ = run_suite(args.tests, None)
-    if baseline != "survived":
-        print(f"the clean suite fails ({failed[:5]}); fix it before scoring mutations", file=sys.stderr)
-        return 1
-    faults = all_faults()
+    faults = all_faults(None)
     ids = args.fault or sorted(faults)
+    unknown = [f for f in ids if f not in faults]
+    if unknown:
+        print(f"unknown fault id(s) {', '.join(unknown)} (`faultbench faults --target all` lists them)",
+              file=sys.stderr)
+        return 2
+    tests = {f: args.tests or guarantee_tests(faults[f].target) for f in ids}
+    for suite in dict.fromkeys(tests.values()):
+        baseline, failed, _ = run_suite(suite, None)
+        if baseline != "survived":
+            print(f"the clean suite {suite} fails ({failed[:5]}); fix it before scoring mutations", file=sys.stderr)
+            return 1
     rows = []
     for fault_id in ids:
-        status, failed, seconds = run_suite(args.tests, fault_id)
+        status, failed, seconds = run_suite(tests[fault_id], fault_id)
         rows.append((fault_id, status, failed, seconds))
         print(f"{status:<9} {fault_id:<40} {len(failed):3d} failing  {seconds:5.1f}s", flush=True)
     killed = sum(status != "survived" for _, status, _, _ in rows)
     lines = [
         "# Mutation score of the unit tests",
         "",
-        f"`python -m harness.mutation` (`make mutation`): `{args.tests}` run once per fault, injected with "
-        "`pytest --inject-fault ID`. A fault is *killed* when the suite fails (a timeout counts as killed).",
+        "`python -m harness.mutation` (`make mutation`): each fault's target's clean-guarantee tests "
+        f"({'`' + args.tests + '`' if args.tests else 'ref: tests/model, tests/distributed; hf: tests/hf'}) run "
+        "once per fault, injected with `pytest --inject-fault ID`. A fault is *killed* when the suite fails (a "
+        "timeout counts as killed).",
         "",
         f"**{killed}/{len(rows)} faults killed ({100 * killed / max(len(rows), 1):.1f}%).**",
         "",
-        "| fault | subsystem | trigger | result | failing tests (-x) | first failing test |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| fault | target | subsystem | trigger | result | failing tests (-x) | first failing test |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for fault_id, status, failed, _ in rows:
         spec = faults[fault_id]
         example = failed[0].split("::")[-1] if failed else ""
-        lines.append(f"| `{fault_id}` | {spec.subsystem} | {spec.trigger} | {status} | {len(failed)} | {example} |")
+        lines.append(f"| `{fault_id}` | {spec.target} | {spec.subsystem} | {spec.trigger} | {status} | "
+                     f"{len(failed)} | {example} |")
     survivors = [r[0] for r in rows if r[1] == "survived"]
     lines += ["", "Survivors: " + (", ".join(f"`{s}`" for s in survivors) if survivors else "none."), ""]
     write_text(args.out, "\n".join(lines))

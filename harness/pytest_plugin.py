@@ -1,6 +1,7 @@
 """pytest options ``--inject-fault ID`` and ``--fault-plugin PATH_OR_MODULE`` (both repeatable).
 
-``--inject-fault`` runs the project's own tests against a broken reference: the faults are injected for
+``--inject-fault`` runs the project's own tests against a broken target (the reference, or the HF stack for
+an ``hf_*`` fault): the faults are injected for
 the whole session in every process (xdist workers parse the same options), so a test suite's mutation
 score is simply: which faults make it fail. ``--fault-plugin`` loads a plugin's faults before collection,
 so the tests parametrized over the registry (``tests/faults/test_manifest.py``'s proofs,
@@ -36,13 +37,16 @@ def pytest_configure(config):
     try:
         for plugin in plugins:
             load_plugin(plugin)
-        for fault_id in ids:
-            get_fault(fault_id)
+        stacks = {get_fault(fault_id).target for fault_id in ids}  # an HF fault loads the HF stack's faults
     except FaultError as e:  # a broken plugin or an unknown id stops the session in one line, not a traceback
         raise pytest.UsageError(str(e)) from None
     if not ids:
         return
+    import targets
     from faults.inject import injected
+
+    for stack in stacks:  # each target's import-time set-up (the HF stack forbids hub access) before injecting
+        targets.get(stack)
 
     _stack.enter_context(injected(*ids))
     # rank workers started by this session (harness.launch.RankPool) inject the same faults

@@ -1,9 +1,12 @@
 """Bench outputs: bench.csv (case x detector), summary.json, leaderboard.md, heatmap.png, a printed table.
 
+Every score is per target (``ref``, ``hf``): summary.json holds the seeds, the goals and, under "targets",
+one summary per target (suite, detectors, per fault, not runnable, counts); leaderboard.md puts the targets
+side by side, then a section per target; heatmap.png has a panel per target; bench.csv has a target column.
 Scores and timings are kept apart: bench.csv, summary.json, leaderboard.md and heatmap.png hold only what
 the runs' behaviour decides (byte-identical when a bench re-runs unchanged code), and timings.csv (train and
-hook seconds per case x detector) and timings.json (wall time, cached cases, each detector's hook seconds
-and overhead ratio) hold the clock's readings, which change on every run.
+hook seconds per case x detector) and timings.json (wall time, cached cases, each target's detectors' hook
+seconds and overhead ratio) hold the clock's readings, which change on every run.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 from harness.atomic import write_bytes, write_text
 from harness.score import SUITE
 
-COLUMNS = ("case", "fault", "recipe", "seed", "detector", "detected", "findings", "first_step", "latency",
+COLUMNS = ("case", "target", "fault", "recipe", "seed", "detector", "detected", "findings", "first_step", "latency",
            "top1_subsystem", "top3_subsystem", "rr_subsystem", "top1_seam", "top3_seam", "rr_seam",
            "manifested", "top_detector", "top_subsystem", "top_seam", "crash", "hang", "error")
 TIMING_COLUMNS = ("case", "detector", "train_s", "step_s", "other_s")
@@ -57,33 +60,38 @@ def split_timings(scores: dict[str, dict]) -> dict[str, dict]:
     return {d: {k: s.pop(k) for k in TIMING_KEYS if k in s} for d, s in scores.items()}
 
 
-def score_rows(summary: dict, registry, timings: dict | None = None) -> list[list[str]]:
-    """The header, then the suite, then each detector (best Top-1 subsystem first), as cells; with ``timings``
-    (timings.json's object) each detector's overhead and hook seconds too."""
-    columns = SCORE_COLUMNS + (TIMING_SCORE_COLUMNS if timings else ())
+def score_rows(scores: dict, registry, timings: dict | None = None) -> list[list[str]]:
+    """One target's scores (``scores``: its summary) as cells: the header, then the suite, then each detector
+    (best Top-1 subsystem first); with ``timings`` (that target's entry of timings.json's "detectors") each
+    detector's overhead and hook seconds too."""
+    columns = SCORE_COLUMNS + (TIMING_SCORE_COLUMNS if timings is not None else ())
     rows = [["detector", "kind", *(label for _, label in columns)]]
-    entries = [(SUITE, "suite", summary["suite"])] if summary["suite"] else []
-    ranked = sorted(summary["detectors"].items(), key=lambda kv: -(kv[1]["top1_subsystem"] or 0))
+    entries = [(SUITE, "suite", scores["suite"])] if scores["suite"] else []
+    ranked = sorted(scores["detectors"].items(), key=lambda kv: -(kv[1]["top1_subsystem"] or 0))
     entries += [(d, "baseline" if registry[d].baseline else registry[d].family, s) for d, s in ranked]
-    per = (timings or {}).get("detectors", {})
+    per = timings or {}
     return rows + [[name, kind, *(_fmt({**s, **per.get(name, {})}.get(key)) for key, _ in columns)]
                    for name, kind, s in entries]
 
 
-def score_table(summary: dict, registry) -> list[str]:
-    """``score_rows`` as a markdown table."""
-    head, *body = score_rows(summary, registry)
+def _markdown(cells: list[list[str]]) -> list[str]:
+    head, *body = cells
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
 
 
-def target_lines(summary: dict, timings: dict | None = None) -> list[str]:
-    """The suite's targets as a markdown table; a timing target (overhead) is judged only with ``timings``
-    (the leaderboard leaves it to timings.json, so that it stays byte-identical across re-runs)."""
-    if summary["suite"] is None:  # e.g. a peer tool's run: the targets are the suite's
-        return ["No suite detector ran in this bench, so the suite's targets do not apply."]
-    suite = {**summary["suite"], **(timings or {}).get("detectors", {}).get(SUITE, {})}
-    lines = ["| target | goal | measured | met |", "|---|---|---|---|"]
-    for key, (op, goal) in summary["targets"].items():
+def score_table(scores: dict, registry) -> list[str]:
+    """``score_rows`` as a markdown table."""
+    return _markdown(score_rows(scores, registry))
+
+
+def goal_lines(scores: dict, goals: dict, timings: dict | None = None) -> list[str]:
+    """One target's suite against the goals as a markdown table; a timing goal (overhead) is judged only with
+    ``timings`` (the leaderboard leaves it to timings.json, so that it stays byte-identical across re-runs)."""
+    if scores["suite"] is None:  # e.g. a peer tool's run: the goals are the suite's
+        return ["No suite detector ran in this bench, so the suite's goals do not apply."]
+    suite = {**scores["suite"], **(timings or {}).get(SUITE, {})}
+    lines = ["| goal | wanted | measured | met |", "|---|---|---|---|"]
+    for key, (op, goal) in goals.items():
         if key in TIMING_KEYS and timings is None:
             lines.append(f"| suite.{key} | {op} {goal} | a timing: see timings.json | - |")
             continue
@@ -93,39 +101,62 @@ def target_lines(summary: dict, timings: dict | None = None) -> list[str]:
     return lines
 
 
+SIDE_BY_SIDE = (("detection_rate", "detect"), ("false_positive_rate", "FP"), ("top1_subsystem", "top1 sub"),
+                ("top3_subsystem", "top3 sub"), ("mrr_subsystem", "MRR sub"), ("top1_seam", "top1 seam"),
+                ("top3_seam", "top3 seam"), ("mrr_seam", "MRR seam"))
+
+
+def side_by_side(summary: dict) -> list[str]:
+    """The suite and each detector, one column per metric and target (``detect ref``, ``detect hf``, ...)."""
+    per_target = summary["targets"]
+    names = list(per_target)
+    detectors = list(dict.fromkeys(d for t in names for d in per_target[t]["detectors"]))
+    head = ["detector", *(f"{label} {t}" for _, label in SIDE_BY_SIDE for t in names)]
+    rows = [head]
+    for det in [SUITE, *detectors]:
+        scores = [per_target[t]["suite"] if det == SUITE else per_target[t]["detectors"].get(det) for t in names]
+        if any(scores):
+            rows.append([det, *(_fmt((s or {}).get(key)) for key, _ in SIDE_BY_SIDE for s in scores)])
+    return _markdown(rows)
+
+
 def leaderboard(summary: dict, faults: dict[str, dict], registry) -> str:
     n_seeds = len(summary["seeds"])
+    counts = "; ".join(f"{t}: {s['cases']} cases ({s['faults']} faults, {s['crashed_cases']} crashed, "
+                       f"{s['hung_cases']} hung)" for t, s in summary["targets"].items())
     out = [
         "# faultbench leaderboard",
         "",
         f"{summary['cases']} cases ({summary['faults']} faults x {n_seeds} seeds {summary['seeds']}, plus the clean "
-        f"matrix); {summary['crashed_cases']} cases crashed (a crash is an outcome), "
-        f"{summary['hung_cases']} hung. Generated by `make bench`; definitions in harness/score.py. Timings (wall "
-        "time, hook seconds, overhead) are in timings.json and timings.csv.",
+        f"matrix of each target); {counts}. A crash is an outcome. Generated by `make bench`; definitions in "
+        "harness/score.py. Timings (wall time, hook seconds, overhead) are in timings.json and timings.csv.",
         "",
-        "## Targets",
+        "## Targets side by side",
         "",
-        *target_lines(summary),
+        "Each target's detection and localization over its own fault cases, false positives over its own clean "
+        "matrix (`ref`: the reference in model/; `hf`: transformers' Llama under Trainer).",
         "",
-        "## Detectors",
-        "",
-        *score_table(summary, registry),
-        "",
-        "## Per fault (suite)",
-        "",
-        "Counted over the cases where the fault showed (its run differed from the clean case of the same recipe "
-        "and seed); \"did not show\" counts the others, which are not scored.",
-        "",
-        "| fault | subsystem | recipes | did not show | detected | top-1 subsystem | top-1 seam | latency (steps) |",
-        "|---|---|---|---|---|---|---|---|",
+        *side_by_side(summary),
     ]
-    for fault_id, e in sorted(summary["per_fault"].items(), key=lambda kv: (kv[1]["subsystem"], kv[0])):
+    for target, scores in summary["targets"].items():
+        out += target_section(target, scores, summary["goals"], registry)
+    return "\n".join(out) + "\n"
+
+
+def target_section(target: str, scores: dict, goals: dict, registry) -> list[str]:
+    """A target's part of the leaderboard: its goals, detectors, faults, blind spots and unrunnable faults."""
+    out = ["", f"## Target {target}", "", "### Goals", "", *goal_lines(scores, goals), "", "### Detectors", "",
+           *score_table(scores, registry), "", "### Per fault (suite)", "",
+           "Counted over the cases where the fault showed (its run differed from the clean case of the same "
+           "target, recipe and seed); \"did not show\" counts the others, which are not scored.", "",
+           "| fault | subsystem | recipes | did not show | detected | top-1 subsystem | top-1 seam | latency (steps) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for fault_id, e in sorted(scores["per_fault"].items(), key=lambda kv: (kv[1]["subsystem"], kv[0])):
         lat = ", ".join(map(str, e["latencies"])) or "-"
         shown = e["cases"] - e["not_shown"]
         out.append(f"| {fault_id} | {e['subsystem']} | {', '.join(e['recipes'])} | {e['not_shown']}/{e['cases']} | "
                    f"{e['detected']}/{shown} | {e['top1_subsystem']}/{shown} | {e['top1_seam']}/{shown} | {lat} |")
-    out += blind_spot_lines(summary)
-    return "\n".join(out) + "\n"
+    return out + blind_spot_lines(scores)
 
 
 def blind_spot_lines(summary: dict) -> list[str]:
@@ -136,25 +167,21 @@ def blind_spot_lines(summary: dict) -> list[str]:
     missed = [f for f, e in per.items() if e["detected"] < shown[f]]
     mislocated = [f for f, e in per.items() if e["top1_subsystem"] < shown[f]]
     silent = [f"{f} ({e['not_shown']}/{e['cases']})" for f, e in per.items() if e["not_shown"]]
-    out = ["", "## Blind spots", "",
+    out = ["", "### Blind spots", "",
            f"- detector missed (the fault showed, no finding) on some case: {', '.join(sorted(missed)) or 'none'}",
            f"- top-1 subsystem wrong on some case: {', '.join(sorted(mislocated)) or 'none'}",
            f"- fault did not show (its run matched the clean one; not scored) on some case: "
            f"{', '.join(sorted(silent)) or 'none'}",
-           "", "## Not runnable in the matrix", ""]
+           "", "### Not runnable in the matrix", ""]
     unrunnable = summary.get("not_runnable", {})
     if not unrunnable:
         return out + ["Every fault's manifest is met by some recipe."]
     return out + ["| fault | why |", "|---|---|"] + [f"| {f} | {why} |" for f, why in sorted(unrunnable.items())]
 
 
-def heatmap(rows: list[dict], faults: dict[str, dict]) -> bytes:
-    """Detector x fault: share of seeds where the detector found the fault with an acceptable subsystem
-    (full colour), found it elsewhere only (half), or missed it (blank); the PNG's bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _heatmap_grid(rows: list[dict], faults: dict[str, dict]):
+    """Detector x fault: share of seeds where the detector found the fault with an acceptable subsystem (1),
+    found it elsewhere only (0.5), or missed it (0); (grid, detectors, fault ids)."""
     import numpy as np
 
     fault_ids = sorted(faults, key=lambda f: (faults[f]["subsystem"], f))
@@ -167,12 +194,30 @@ def heatmap(rows: list[dict], faults: dict[str, dict]) -> bytes:
         i, j = detectors.index(r["detector"]), fault_ids.index(r["fault"])
         counts[i, j] += 1
         grid[i, j] += 1.0 if r["rr_subsystem"] == 1.0 else 0.5 if r["detected"] else 0.0
-    grid = np.divide(grid, counts, out=np.zeros_like(grid), where=counts > 0)
-    fig, ax = plt.subplots(figsize=(max(10, len(fault_ids) * 0.26), max(4, len(detectors) * 0.28)))
-    ax.imshow(grid, cmap="Greens", vmin=0, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(fault_ids)), [f"{faults[f]['subsystem']}: {f}" for f in fault_ids], rotation=90, fontsize=6)
-    ax.set_yticks(range(len(detectors)), detectors, fontsize=7)
-    ax.set_title("found with the right subsystem first (dark), found elsewhere (light), missed (white)", fontsize=9)
+    return np.divide(grid, counts, out=np.zeros_like(grid), where=counts > 0), detectors, fault_ids
+
+
+def heatmap(rows: list[dict], faults: dict[str, dict]) -> bytes:
+    """One panel per target of detector x fault: found with an acceptable subsystem first (full colour), found
+    elsewhere only (half), missed (blank), over the seeds; the PNG's bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r.get("target", "ref") for r in rows))
+    panels = [_heatmap_grid([r for r in rows if r.get("target", "ref") == t],
+                            {f: m for f, m in faults.items() if m.get("target", "ref") == t}) for t in names]
+    width = max(10, max(len(p[2]) for p in panels) * 0.26)
+    heights = [max(4, len(p[1]) * 0.28) for p in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, sum(heights) + 2.5 * len(panels)), squeeze=False)
+    for ax, target, (grid, detectors, fault_ids) in zip(axes[:, 0], names, panels, strict=True):
+        ax.imshow(grid, cmap="Greens", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(fault_ids)), [f"{faults[f]['subsystem']}: {f}" for f in fault_ids], rotation=90,
+                      fontsize=6)
+        ax.set_yticks(range(len(detectors)), detectors, fontsize=7)
+        ax.set_title(f"target {target}: found with the right subsystem first (dark), found elsewhere (light), "
+                     "missed (white)", fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -195,8 +240,12 @@ def write_results(out: Path, rows: list[dict], summary: dict, timings: dict, fau
 
 
 def print_table(summary: dict, registry, timings: dict | None = None, file=None) -> None:
-    rows = score_rows(summary, registry, timings)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)), file=file)
-    print("\n".join(target_lines(summary, timings)), file=file)
+    """Each target's detector table and goals (``timings``: timings.json's object, for the overhead columns)."""
+    for target, scores in summary["targets"].items():
+        per = (timings or {}).get("detectors", {}).get(target, {}) if timings is not None else None
+        rows = score_rows(scores, registry, per)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        print(f"target {target}: {scores['cases']} cases, {scores['faults']} faults", file=file)
+        for r in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)), file=file)
+        print("\n".join(goal_lines(scores, summary["goals"], per)), file=file)

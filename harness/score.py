@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 
-from harness.case import RECIPES
+import targets
 
 SUITE = "suite"
 
@@ -63,10 +63,15 @@ def score_findings(findings: list[dict], fault: dict | None, trigger_step: int) 
 def trigger_step(fault: dict | None, record: dict) -> int:
     """The step at which the fault can first act: the checkpoint's step for on-resume faults (the resumed
     run's own step counter may be the fault), else 0."""
-    recipe = RECIPES.get(record["case"]["recipe"])
+    recipe = targets.get(target_of(record)).recipes().get(record["case"]["recipe"])
     if fault is not None and fault["trigger"] == "on-resume" and recipe is not None and recipe.resume_at:
         return recipe.resume_at
     return 0
+
+
+def target_of(record: dict) -> str:
+    """The target a case record ran on (a record from before targets is the reference's)."""
+    return record["case"].get("target", "ref")
 
 
 def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str]) -> list[dict]:
@@ -74,7 +79,8 @@ def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str]) -> li
     case = record["case"]
     fault = faults[case["faults"][0]] if case["faults"] else None
     trig = trigger_step(fault, record)
-    base = {"case": record["name"], "fault": case["faults"][0] if case["faults"] else "", "recipe": case["recipe"],
+    base = {"case": record["name"], "target": target_of(record),
+            "fault": case["faults"][0] if case["faults"] else "", "recipe": case["recipe"],
             "seed": case["seed"], "crash": (record["crash"] or {}).get("type", ""),
             "hang": bool(record.get("hang")), "train_s": record.get("train_s", 0.0),
             "manifested": record.get("manifested") if case["faults"] else None}
@@ -140,7 +146,8 @@ def per_fault(rows: list[dict], faults: dict[str, dict]) -> dict:
     for r in rows:
         if r["detector"] != SUITE or not r["fault"]:
             continue
-        entry = out.setdefault(r["fault"], {"subsystem": faults[r["fault"]]["subsystem"], "recipes": [], "cases": 0,
+        entry = out.setdefault(r["fault"], {"target": r.get("target", "ref"),
+                                            "subsystem": faults[r["fault"]]["subsystem"], "recipes": [], "cases": 0,
                                             "not_shown": 0, "detected": 0, "top1_subsystem": 0, "top1_seam": 0,
                                             "latencies": [], "crashed": 0})
         if r["recipe"] not in entry["recipes"]:

@@ -34,6 +34,16 @@ class Target:
                       optimizer step: step, loss, grad_norm, lr, scale, skipped, tokens, seconds,
                       tokens_per_s), crash, val_loss, findings, detector_errors, step_seconds, ...
     clean_guarantees: the test modules that prove the clean stack's invariants
+    needs:            manifest -> {(section, key): value}: what a recipe must have for the fault's code to run
+                      (the manifest's essential keys, a switch as on/off; tuning keys left out)
+    has:              (recipe, (section, key)) -> the recipe's value for one of ``needs``'s keys
+    features:         recipe -> how many code paths it switches on beyond the plain run (the plainest
+                      fitting recipe is a fault's home)
+    preload:          modules a process forked or forkserved for this target's cases imports first
+    warm_up:          recipe name -> None: build (and step) a run of it once in a process that forks cases, so
+                      every child starts with the lazy imports done and the corpus caches filled
+    captures:         whether ``run_case`` takes ``capture_dir`` (every step's state and batch, for a repro
+                      bundle: ``harness.bundle``)
     """
 
     name: str
@@ -42,6 +52,12 @@ class Target:
     recipes: Callable[[], dict]
     run_case: Callable[..., dict]
     clean_guarantees: tuple[str, ...]
+    needs: Callable[[object], dict]
+    has: Callable[[object, tuple[str, str]], object]
+    features: Callable[[object], int]
+    preload: tuple[str, ...] = ()
+    captures: bool = False
+    warm_up: Callable[[str], None] = lambda recipe: None
 
 
 def names() -> tuple[str, ...]:

@@ -13,13 +13,33 @@ def _recipes() -> dict:
 
 
 def _run_case(recipe: str, seed: int, detectors=(), golden: dict | None = None, rank: int = 0,
-              workdir: str | None = None) -> dict:
+              workdir: str | None = None, capture_dir: str | None = None) -> dict:
     """``harness.case.run_case`` of a case without faults (the caller injects them around this call)."""
     from harness.case import Case, run_case
 
-    record = run_case(Case(recipe, seed, (), tuple(detectors)), golden, rank, workdir)
+    record = run_case(Case(recipe, seed, (), tuple(detectors)), golden, rank, workdir, capture_dir)
     record["case"]["target"] = "ref"
     return record
+
+
+def _warm_up(recipe: str) -> None:
+    """One optimizer step of the recipe (the first optimizer imports torch._dynamo: 1.4 s per process)."""
+    from harness.case import RECIPES
+    from model.run import build_run
+    from model.train import next_micro_batches, train_step
+
+    run = build_run(RECIPES[recipe].config(0))
+    train_step(run, next_micro_batches(run))
+
+
+def _matcher(name: str):
+    """``harness.case``'s function ``name`` (the reference's recipe matcher), imported on first call."""
+    def call(*args):
+        from harness import case
+
+        return getattr(case, name)(*args)
+
+    return call
 
 
 TARGET = Target(
@@ -32,4 +52,10 @@ TARGET = Target(
         "test_accumulation", "test_amp", "test_causality", "test_convergence", "test_eval", "test_kv_cache",
         "test_label_alignment", "test_mask_precision", "test_optim", "test_padding", "test_resume", "test_rope",
         "test_sampler", "test_tokenizer")) + ("tests.distributed.test_ddp", "tests.distributed.test_resume"),
+    needs=_matcher("needs"),
+    has=_matcher("has"),
+    features=_matcher("features"),
+    preload=("model.run", "model.train", "model.checkpoint"),
+    captures=True,
+    warm_up=_warm_up,
 )

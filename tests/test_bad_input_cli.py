@@ -189,7 +189,7 @@ def tiny_bench(tmp_path, monkeypatch):
     """A 2-case bench (one cheap fault and its clean case, one recipe, one seed, one detector)."""
     from harness.bench import BenchConfig
 
-    monkeypatch.setattr("harness.bench.RECIPES", {"fp32": RECIPES["fp32"]})
+    monkeypatch.setattr("harness.bench.recipes_of", lambda target: {"fp32": RECIPES["fp32"]})
     monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
     return BenchConfig(seeds=(0,), detectors=("forward_loss_contract",), faults=("label_permute",), jobs=1,
                        out=tmp_path / "results", progress=False)

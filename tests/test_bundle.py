@@ -94,7 +94,7 @@ def test_bench_bundles_every_flagged_case(tmp_path):
     cfg = BenchConfig(seeds=(0,), detectors=("suite",), faults=("label_permute",), clean=False, jobs=1,
                       out=tmp_path / "out", progress=False, bundles=tmp_path / "bundles", command=("faultbench",))
     summary = run_bench(cfg)
-    assert summary["suite"]["detection_rate"] == 1.0
+    assert summary["targets"]["ref"]["suite"]["detection_rate"] == 1.0
     (bundle,) = (tmp_path / "bundles").iterdir()
     assert bundle.name == "label_permute-fp32-s0" and verify(bundle)["command"] == "faultbench"
     assert replay(bundle)["reproduced"]

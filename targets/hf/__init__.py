@@ -27,6 +27,18 @@ def _run_case(*args, **kwargs) -> dict:
     return run_case(*args, **kwargs)
 
 
+def _warm_up(recipe: str) -> None:
+    from targets.hf.case import warm_up
+
+    warm_up(recipe)
+
+
+def _matcher():
+    from targets.hf import matcher
+
+    return matcher
+
+
 TARGET = Target(
     name="hf",
     seams=lambda: dict(_seams.SEAMS),
@@ -35,4 +47,9 @@ TARGET = Target(
     run_case=_run_case,
     clean_guarantees=("tests.hf.test_generate", "tests.hf.test_padding", "tests.hf.test_accumulation",
                       "tests.hf.test_resume", "tests.hf.test_ddp", "tests.hf.test_convergence"),
+    needs=lambda manifest: _matcher().needs(manifest),
+    has=lambda recipe, need: _matcher().has(recipe, need),
+    features=lambda recipe: _matcher().features(recipe),
+    preload=("targets.hf.case", "targets.hf.scenario"),
+    warm_up=_warm_up,
 )

@@ -7,6 +7,7 @@ checkpoint), evaluate, decode a few prompts with ``generate`` (DynamicCache), an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import tempfile
 import time
@@ -113,9 +114,15 @@ def empty_record_for(recipe: str, seed: int, detectors: tuple, rank: int) -> dic
     """``harness.case.empty_record`` with this target's case description."""
     from harness.case import Case
 
-    record = empty_record(Case(recipe, seed, (), detectors), rank)
-    record["case"]["target"] = "hf"
-    return record
+    return empty_record(Case(recipe, seed, (), detectors, target="hf"), rank)
+
+
+def warm_up(recipe: str) -> None:
+    """Build a run of ``recipe`` and train one step (transformers' and accelerate's lazy imports, the corpus and
+    tokenizer caches), so that the cases forked from this process start warm."""
+    with tempfile.TemporaryDirectory(prefix="faultbench-hf-warm-") as tmp:
+        run = build_run(dataclasses.replace(RECIPES[recipe], steps=1, warmup_steps=1, resume_at=None), 0, Path(tmp))
+        train(run)
 
 
 def run_case_on_rank(rank: int, recipe: str, seed: int, detectors=(), golden: dict | None = None,

@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 
+import targets
 from detectors.api import DETECTORS, resolve_ids
 from faults.registry import FAULTS, Manifest, all_faults
 from harness.bench import BenchConfig, build_matrix, run_bench
 from harness.case import MIN_SUBSYSTEMS, RECIPES, Case, NotRunnable, recipe_for, run_case, unmet
+
+ONE_RECIPE = {"fp32": RECIPES["fp32"]}  # a clean matrix of one recipe is enough for the machinery
 
 PLUGIN = str(Path(__file__).with_name("bench_plugin.py"))
 TEST_DETECTORS = ("test_raises_on_start", "test_reports_every_run")
@@ -19,8 +22,8 @@ TEST_DETECTORS = ("test_raises_on_start", "test_reports_every_run")
 def plugin_bench(tmp_path, monkeypatch):
     """A bench of the plugin's hanging fault plus one clean case, with the plugin's detectors only."""
     monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
-    cfg = BenchConfig(seeds=(0,), detectors=TEST_DETECTORS, plugins=(PLUGIN,), only_plugin_faults=True,
-                      out=tmp_path / "results", timeout_s=15, progress=False)
+    cfg = BenchConfig(seeds=(0,), targets=("ref",), detectors=TEST_DETECTORS, plugins=(PLUGIN,),
+                      only_plugin_faults=True, out=tmp_path / "results", timeout_s=15, progress=False)
     yield cfg
     for name in TEST_DETECTORS:  # keep the registries as other tests expect them
         DETECTORS.pop(name, None)
@@ -29,8 +32,8 @@ def plugin_bench(tmp_path, monkeypatch):
 
 
 def test_a_hanging_case_and_a_raising_detector_are_recorded_not_fatal(plugin_bench, monkeypatch):
-    monkeypatch.setattr("harness.bench.RECIPES", {"fp32": RECIPES["fp32"]})  # one clean recipe is enough
-    summary = run_bench(plugin_bench)
+    monkeypatch.setattr("harness.bench.recipes_of", lambda target: ONE_RECIPE)
+    summary = run_bench(plugin_bench)["targets"]["ref"]
     rows = {(r["fault"], r["detector"]): r for r in _csv(plugin_bench.out / "bench.csv")}
     hang = rows[("test_collate_hangs", "test_reports_every_run")]
     assert hang["hang"] == "True" and hang["crash"] == "Hang"
@@ -45,7 +48,7 @@ def test_a_hanging_case_and_a_raising_detector_are_recorded_not_fatal(plugin_ben
 
 
 def test_finished_cases_are_cached_and_reused(plugin_bench, monkeypatch):
-    monkeypatch.setattr("harness.bench.RECIPES", {"fp32": RECIPES["fp32"]})
+    monkeypatch.setattr("harness.bench.recipes_of", lambda target: ONE_RECIPE)
     plugin_bench.faults = ()  # the clean case only
     first = run_bench(plugin_bench)
     cached = list((plugin_bench.out.parent / "cache").glob("*.json"))
@@ -56,26 +59,83 @@ def test_finished_cases_are_cached_and_reused(plugin_bench, monkeypatch):
     assert first["cases"] == 1
 
 
-def test_the_matrix_has_every_fault_per_seed_and_the_clean_matrix():
+def test_the_matrix_has_every_fault_per_seed_and_the_clean_matrix_of_every_target():
     cases, faults = build_matrix(BenchConfig(seeds=(0, 1), detectors=("suite",)))
+    specs = all_faults(None)
+    runnable = {f for f, m in faults.items() if not m.get("not_runnable")}
     faulty = [c for c in cases if c.faults]
-    assert {(c.faults[0], c.seed) for c in faulty} == {(f, s) for f in faults for s in (0, 1)}
-    assert {c.recipe for c in cases if not c.faults} == set(RECIPES)
-    # each fault runs only in recipes that have everything its manifest needs, the clean matrix covers them
-    specs = all_faults()
-    assert all(not unmet(specs[c.faults[0]].manifest, RECIPES[c.recipe]) for c in faulty)
-    assert not any(m.get("not_runnable") for m in faults.values())  # every builtin fault can show somewhere
+    assert {(c.faults[0], c.seed) for c in faulty} == {(f, s) for f in runnable for s in (0, 1)}
+    assert set(faults) == set(specs) and {c.target for c in faulty} == {"ref", "hf"}
+    for target in ("ref", "hf"):  # each target's clean matrix is every recipe of it
+        assert {c.recipe for c in cases if not c.faults and c.target == target} == set(targets.get(target).recipes())
+    # each fault runs only in its own target's recipes that have everything its manifest needs
+    assert all(c.target == specs[c.faults[0]].target for c in faulty)
+    assert all(not unmet(specs[c.faults[0]].manifest, targets.get(c.target).recipes()[c.recipe], c.target)
+               for c in faulty)
+    assert not any(faults[f].get("not_runnable") for f in all_faults("ref"))  # every reference fault can show
 
 
-def test_no_recipe_narrows_the_answer():
+def test_no_recipe_narrows_the_answer_on_any_target():
     """A detector that recognises a recipe's config must not learn the fault's subsystem from it."""
     cases, faults = build_matrix(BenchConfig(seeds=(0,), detectors=("suite",)))
-    held: dict[str, set] = {}
+    held: dict[tuple[str, str], set] = {}
     for c in cases:
         if c.faults:
-            held.setdefault(c.recipe, set()).add(faults[c.faults[0]]["subsystem"])
+            held.setdefault((c.target, c.recipe), set()).add(faults[c.faults[0]]["subsystem"])
     narrow = {r: sorted(s) for r, s in held.items() if len(s) < MIN_SUBSYSTEMS}
     assert MIN_SUBSYSTEMS >= 3 and not narrow, f"recipes that give the subsystem away: {narrow}"
+    assert {t for t, _ in held} == {"ref", "hf"}
+
+
+def test_the_matcher_assigns_hf_variants_by_their_essential_keys():
+    def home(scenario="train", **variant):
+        return recipe_for(Manifest(check="crash", scenario=scenario, steps=4, variant=variant), "hf")
+
+    assert home() == "fp32"
+    assert home(lr=1e-2, steps=2, warmup_steps=0, batch_size=8, weight_decay=0.0, max_grad_norm=0.0,
+                model={"hidden_size": 32}, data={"seq_len": 16}) == "fp32"  # tuning keys only
+    assert home(padding_side="left") == "left_pad" and home(precision="bf16") == "bf16"
+    assert home(recipe="accum") == home(accum=2) == "accum"  # accumulation is on/off, a named recipe its switches
+    assert home(model={"attention_dropout": 0.1}) == home("resume") == "resume"
+    assert home(model={"attn_implementation": "eager"}) == home(recipe="eager") == "eager"
+    assert home("ddp") == "ddp"
+    with pytest.raises(NotRunnable, match="lacks"):
+        home(recipe="eager", precision="bf16", padding_side="left")  # no HF recipe has all three
+    with pytest.raises(NotRunnable, match="gradient_checkpointing=True"):
+        home(gradient_checkpointing=True)  # a key the matcher does not know is essential
+    with pytest.raises(NotRunnable, match="precision=bf16"):
+        home("resume", precision="bf16")
+
+
+def test_an_hf_fault_no_recipe_satisfies_is_not_runnable_with_its_reason(monkeypatch):
+    import dataclasses
+
+    base = all_faults("hf")["hf_label_shift_off_by_one"]
+    spec = dataclasses.replace(base, id="hf_needs_bf16_left_pad", manifest=Manifest(
+        check="crash", variant={"precision": "bf16", "padding_side": "left"}))
+    monkeypatch.setitem(FAULTS, spec.id, spec)
+    cases, faults = build_matrix(BenchConfig(seeds=(0,), detectors=("suite",), clean=False,
+                                             faults=(spec.id, base.id)))
+    assert {(c.target, c.faults) for c in cases} == {("hf", (base.id,))}
+    reason = faults[spec.id]["not_runnable"]
+    assert "precision=bf16" in reason and "padding_side=left" in reason
+
+
+def test_a_tiny_hf_bench_scores_its_cases_apart(tmp_path, monkeypatch):
+    """One HF fault on seed 1 with its clean twin: rows say target hf, the fault showed, the summary is per target."""
+    monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
+    monkeypatch.setattr("harness.bench.recipes_of", lambda target: {"fp32": targets.get(target).recipes()["fp32"]})
+    cfg = BenchConfig(seeds=(1,), targets=("hf",), faults=("hf_label_shift_off_by_one",),
+                      detectors=("loss_contract", "loss_vs_floor"), out=tmp_path / "out", progress=False)
+    summary = run_bench(cfg)
+    rows = _csv(cfg.out / "bench.csv")
+    assert {r["target"] for r in rows} == {"hf"} and {r["case"] for r in rows} == {
+        "hf:hf_label_shift_off_by_one/fp32/s1", "hf:clean/fp32/s1"}
+    assert {r["manifested"] for r in rows if r["fault"]} == {"True"}  # unlike its clean twin's run
+    assert list(summary["targets"]) == ["hf"] and summary["targets"]["hf"]["cases"] == 2
+    assert summary["targets"]["hf"]["per_fault"]["hf_label_shift_off_by_one"]["recipes"] == ["fp32"]
+    assert summary["targets"]["hf"]["suite"]["clean_cases"] == 1
+    assert "## Target hf" in (cfg.out / "leaderboard.md").read_text()
 
 
 def test_the_matcher_meets_the_whole_variant_and_ignores_only_tuning_knobs():

@@ -24,13 +24,13 @@ def test_unknown_detector_is_a_clear_error(capsys):
 
 
 def test_bench_json_prints_the_summary_last(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("harness.bench.RECIPES", {"fp32": RECIPES["fp32"]})
+    monkeypatch.setattr("harness.bench.recipes_of", lambda target: {"fp32": RECIPES["fp32"]})
     monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
     assert main(["bench", "--quick", "--fault", "label_permute", "--detectors", "loss_contract",
                  "forward_loss_contract", "--json", "--out", str(tmp_path)]) == 0
     summary = _last_json(capsys)
-    assert summary["suite"]["detection_rate"] == 1.0 and summary["suite"]["false_positive_rate"] == 0.0
-    assert summary["suite"]["top1_seam"] == 1.0
+    suite = summary["targets"]["ref"]["suite"]
+    assert suite["detection_rate"] == 1.0 and suite["false_positive_rate"] == 0.0 and suite["top1_seam"] == 1.0
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 

@@ -70,15 +70,15 @@ def test_an_exclusive_detector_is_charged_its_whole_slowdown_against_the_paired_
     assert exclusive_overhead(rows, "anomaly") == pytest.approx(3.0)
 
 
-def test_targets_are_judged_only_when_the_suite_ran():
-    from harness.bench import TARGETS
-    from harness.report import target_lines
+def test_goals_are_judged_only_when_the_suite_ran():
+    from harness.bench import GOALS
+    from harness.report import goal_lines
 
-    targets = {k: list(v) for k, v in TARGETS.items()}
-    assert target_lines({"suite": None, "targets": targets}) == [
-        "No suite detector ran in this bench, so the suite's targets do not apply."]
+    goals = {k: list(v) for k, v in GOALS.items()}
+    assert goal_lines({"suite": None}, goals) == [
+        "No suite detector ran in this bench, so the suite's goals do not apply."]
     suite = {"detection_rate": 0.9, "false_positive_rate": 0.0}
-    lines = target_lines({"suite": suite, "targets": targets})
+    lines = goal_lines({"suite": suite}, goals)
     assert "| suite.detection_rate | >= 0.95 | 0.900 | NO |" in lines
     assert "| suite.false_positive_rate | <= 0.0 | 0.000 | yes |" in lines
 
