@@ -25,3 +25,12 @@ def write_bytes(path, data: bytes) -> Path:
 
 def write_text(path, text: str) -> Path:
     return write_bytes(path, text.encode())
+
+
+def check_replaceable(path, marker: str, what: str) -> None:
+    """Refuse (ValueError) to replace ``path`` unless it is absent, an empty folder, or a previous ``what``
+    (a folder holding ``marker``): a mistyped output path must never delete a user's file or folder."""
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and ((path / marker).exists() or not any(path.iterdir()))):
+        raise ValueError(f"{path} exists and is not a {what} (no {marker}): refusing to replace it; give a new "
+                         "folder")

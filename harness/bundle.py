@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from harness.atomic import check_replaceable
+
 FORMAT = 1
 FILES = ("bundle.json", "finding.json", "batch.pt", "checkpoint.pt", "metrics.jsonl")
 
@@ -105,6 +107,7 @@ def write_bundle(directory, record: dict, capture_dir, command: list[str]) -> Pa
     (tmp / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in record["history"]))
     (tmp / "MANIFEST.sha256").write_text("".join(f"{_sha256(tmp / name)}  {name}\n" for name in FILES
                                                  if (tmp / name).exists()))
+    check_replaceable(directory, "MANIFEST.sha256", "repro bundle")
     if directory.exists():
         shutil.rmtree(directory)
     tmp.rename(directory)

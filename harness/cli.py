@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from harness.atomic import check_replaceable
 from model.config import PAD_SIDES, PRECISIONS, PRESETS, get_preset
 from model.seams import SUBSYSTEMS
 
@@ -65,6 +66,8 @@ def _train(args) -> int:
     from model.distributed import init_from_env
 
     torch.set_num_threads(args.threads)
+    if args.save:
+        check_replaceable(args.save, "meta.json", "checkpoint")
     base = get_preset(args.preset)
     launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun else args.world_size
@@ -256,6 +259,7 @@ def _run_detectors(args) -> int:
     if not args.no_bundle:
         case = {"faults": args.fault, "recipe": case_recipe(args.fault, args.recipe), "seed": args.seed}
         bundle = args.bundle or f"bundles/{bundle_name(case)}"
+        check_replaceable(bundle, "MANIFEST.sha256", "repro bundle")  # before the run, not after it
     record = detect(tuple(args.fault), args.seed, tuple(args.detectors), args.recipe, tuple(args.plugin or ()),
                     bundle=bundle, command=args.command_line)
     text = describe_findings(record)
@@ -308,8 +312,9 @@ def _bench(args) -> int:
     from harness.report import print_table
 
     seeds = tuple(range(args.seeds or (1 if args.quick else 3)))
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a file, not a folder")
+    for flag, folder in (("--out", args.out), ("--bundles", args.bundles)):
+        if folder and Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"{flag} {folder} is a file, not a folder")
     if args.only_plugin_faults and not args.plugin:
         raise ValueError("--only-plugin-faults needs a --plugin that registers faults")
     cfg = BenchConfig(seeds=seeds, targets=args.target, detectors=tuple(args.detectors or ("all",)),

@@ -69,6 +69,22 @@ def test_a_refused_bench_leaves_existing_results_alone(tmp_path, capsys):
     _one_line_error(capsys, ["bench", "--out", str(tmp_path / "bench.csv")], "is a file, not a folder")
 
 
+@pytest.mark.parametrize("argv, refusal", [
+    (["train", "--steps", "2", "--save"], "is not a checkpoint (no meta.json)"),
+    (["run", "--fault", "label_permute", "--detectors", "loss_contract", "--bundle"],
+     "is not a repro bundle (no MANIFEST.sha256)"),
+])
+def test_an_output_folder_never_replaces_a_users_file_or_folder(tmp_path, capsys, argv, refusal):
+    # both used to delete what was there (a checkpoint or bundle is written by replacing the folder)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "main.py").write_text("mine")
+    for target in ("notes.txt", "project"):
+        _one_line_error(capsys, [*argv, str(tmp_path / target)], refusal)
+    assert (tmp_path / "notes.txt").read_text() == (tmp_path / "project" / "main.py").read_text() == "mine"
+    _one_line_error(capsys, ["bench", "--bundles", str(tmp_path / "notes.txt")], "is a file, not a folder")
+
+
 class _Stop(Exception):
     pass
 
