@@ -204,6 +204,17 @@ def run_captured(case, capture_dir: str) -> dict:
             pool.close()
 
 
+def _load_tensors(path: Path):
+    """``torch.load`` (weights only) of ``path``; None when absent; ValueError when it is not such a file."""
+    if not path.exists():
+        return None
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # a truncated or foreign file: torch raises pickle, zip and runtime errors alike
+        first_line = (str(e).splitlines() or [""])[0]
+        raise ValueError(f"{path} cannot be loaded: {type(e).__name__}: {first_line}") from None
+
+
 def replay(directory) -> dict:
     """Run the bundle's case again; what came back and what differs (``reproduced``: all of it matches)."""
     from faults.registry import load_plugin
@@ -218,13 +229,13 @@ def replay(directory) -> dict:
     for plugin in case.plugins:
         load_plugin(plugin)
     expected = json.loads((directory / "finding.json").read_text())["finding"]
+    state, batch = _load_tensors(directory / "checkpoint.pt"), _load_tensors(directory / "batch.pt")  # before the run
     with tempfile.TemporaryDirectory(prefix="faultbench-replay-") as capture:
         record = run_captured(case, capture)
         rank_dir = Path(capture) / f"rank{meta['rank']}"
         number = meta["capture"]
-        load = lambda p: torch.load(p, weights_only=True) if p.exists() else None  # noqa: E731
-        state_same = _tensors_equal(load(directory / "checkpoint.pt"), load(rank_dir / f"state-{number:04d}.pt"))
-        batch_same = _tensors_equal(load(directory / "batch.pt"), load(rank_dir / f"batch-{number:04d}.pt"))
+        state_same = _tensors_equal(state, _load_tensors(rank_dir / f"state-{number:04d}.pt"))
+        batch_same = _tensors_equal(batch, _load_tensors(rank_dir / f"batch-{number:04d}.pt"))
     found = next((f for f in record["findings"] if _same_finding(f, expected)), None)
     differences = []
     if found is None:

@@ -148,3 +148,11 @@ def test_resealed_malformed_json_is_refused_in_one_line(tmp_path, capsys, edit, 
 def test_a_bundle_of_an_unknown_recipe_is_refused(tmp_path, capsys):
     assert main(["replay", str(_fake_bundle(tmp_path / "bundle", recipe="no_such_recipe"))]) == 2
     assert "recipe 'no_such_recipe' is not one of this checkout's" in capsys.readouterr().err
+
+
+def test_a_resealed_unreadable_checkpoint_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    bundle = _fake_bundle(tmp_path / "bundle")  # its checkpoint.pt is empty: not a torch file
+    monkeypatch.setattr("harness.bundle.run_captured", lambda *a: pytest.fail("ran the case"))
+    assert main(["replay", str(bundle)]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.pt cannot be loaded" in err and len(err.strip().splitlines()) == 1
