@@ -122,8 +122,6 @@ def pad_mask_on_other_side(
 )
 def torch_call_labels_from_sorted(self, examples):
     """Labels are padded from the examples sorted by length, input_ids from the examples as given."""
-    # Handle dict or lists with proper padding and conversion to tensor.
-
     if self.seed is not None and self.generator is None:
         # If we have a seed, we need to create a generator object. Subsequent calls to this function will use the same generator.
         # If no seed supplied, we will use the global RNG
@@ -182,8 +180,6 @@ def torch_call_labels_from_sorted(self, examples):
 )
 def torch_call_pads_are_targets(self, examples):
     """The pad labels are never replaced by -100."""
-    # Handle dict or lists with proper padding and conversion to tensor.
-
     if self.seed is not None and self.generator is None:
         # If we have a seed, we need to create a generator object. Subsequent calls to this function will use the same generator.
         # If no seed supplied, we will use the global RNG
