@@ -10,6 +10,12 @@ fires) and collects what they ``report``. Honesty rules (tested in tests/detecto
   of seams, the environment, caches of seam functions): what a probe may know of the code (which seam
   a traceback line lies in) the context answers (``seam_at``, ``raising_seam``);
 - on every clean run variant every detector must stay silent.
+
+A detector whose assumptions do not hold for a run (a component, a config field or a seam it probes is
+absent, the model does not take the call it probes with) says so instead of guessing: it declares what
+it needs (``needs_run``, ``needs_config``, ``needs_seams``), checked before its first hook, or raises
+``NotApplicable`` from a hook (``require`` does both). The suite records the reason once and calls the
+detector no more: a not-applicable detector is neither a finding nor a detector error.
 """
 
 from __future__ import annotations
@@ -35,6 +41,23 @@ SUBSYSTEMS = (
 )
 
 
+class NotApplicable(Exception):
+    """This detector's assumptions do not hold for the run; the message says which (one line)."""
+
+
+_ABSENT = object()
+
+
+def _lookup(obj, path: str):
+    """``obj.a.b`` for the dotted ``path`` "a.b", or ``_ABSENT`` where an attribute is missing."""
+    for name in path.split("."):
+        try:
+            obj = getattr(obj, name)
+        except AttributeError:
+            return _ABSENT
+    return obj
+
+
 @dataclass(frozen=True)
 class Finding:
     """One thing a detector found: when (optimizer steps completed), where (subsystem, seam), and why."""
@@ -50,6 +73,19 @@ class Finding:
     def to_dict(self) -> dict:
         return {"detector": self.detector, "step": self.step, "subsystem": self.subsystem, "seam": self.seam,
                 "message": self.message, "evidence": self.evidence, "confidence": self.confidence}
+
+
+# General facts about a run that a detector may use on any target. A run offers each as its own attribute
+# of that name; the reference's run (``model/``, which does not change for this protocol) keeps it at the
+# path given here. ``RunContext.fact`` reads them; a run that offers neither makes the detector not applicable.
+FACTS = {
+    "loss_floor": "corpus.loss_floor",  # Bayes-optimal nats per predicted token of the run's corpus
+    "pad_id": "tokenizer.pad_id",  # the id the batches are padded with
+    "vocab_size": "config.model.vocab_size",  # rows of the embedding / columns of the logits
+    "precision": "config.train.precision",  # "fp32" | "bf16" | "fp16"
+    "pad_side": "config.data.pad_side",  # "left" | "right": where collate puts the pads
+    "accum": "config.train.accum",  # micro-batches per optimizer step
+}
 
 
 @dataclass
@@ -80,6 +116,19 @@ class RunContext:
     @property
     def step(self) -> int:
         return self.run.step
+
+    def fact(self, name: str):
+        """The general fact ``name`` of ``FACTS`` about this run; ``NotApplicable`` when the run offers none."""
+        value = _lookup(self.run, name)
+        if value is _ABSENT:
+            value = _lookup(self.run, FACTS[name])
+        if value is _ABSENT:
+            raise NotApplicable(f"this run does not offer its {name}")
+        return value
+
+    def known_seam(self, name: str) -> str | None:
+        """``name`` if it is in this run's seam table, else None: a finding names a seam only where the run has it."""
+        return name if name in self.seams else None
 
     def seam(self, name: str) -> Callable:
         """The run's live function for a seam name such as ``"model.data.collate"`` (a class name such as
@@ -200,6 +249,11 @@ class Detector:
     baseline: ClassVar[bool] = False  # scored alongside the suite, not part of it
     exclusive: ClassVar[bool] = False  # changes the run itself (e.g. anomaly mode): the bench runs it in its own case
     description: ClassVar[str] = ""
+    # what the detector assumes of a run, checked before its first hook (see ``require``): dotted attribute
+    # paths of ``ctx.run`` ("corpus.train") and of ``ctx.config`` ("train.precision"), and the seams it probes
+    needs_run: ClassVar[tuple[str, ...]] = ()
+    needs_config: ClassVar[tuple[str, ...]] = ()
+    needs_seams: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self.findings: list[Finding] = []
@@ -217,6 +271,20 @@ class Detector:
         if key not in self._reported_keys:
             self._reported_keys.add(key)
             self.report(ctx, *args, **kwargs)
+
+    def require(self, ctx: RunContext, run=(), config=(), seams=()) -> None:
+        """Raise ``NotApplicable`` naming every one of ``run`` (attribute paths of the run), ``config``
+        (attribute paths of its config) and ``seams`` (names) that this run lacks; a hook may call it for
+        what only some paths need."""
+        missing = ([f"run.{p}" for p in run if _lookup(ctx.run, p) is _ABSENT]
+                   + [f"config.{p}" for p in config if _lookup(ctx.config, p) is _ABSENT]
+                   + [f"seam {s}" for s in seams if s not in ctx.seams])
+        if missing:
+            raise NotApplicable(f"this run has no {', '.join(missing)}")
+
+    def check_applicable(self, ctx: RunContext) -> None:
+        """``require`` of the declared needs; the suite calls it once, before the detector's first hook."""
+        self.require(ctx, self.needs_run, self.needs_config, self.needs_seams)
 
     @property
     def fired(self) -> bool:

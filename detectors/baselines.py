@@ -106,7 +106,7 @@ class LossCurve(Detector):
         step, loss = record.step, float(record.loss)
         self.losses[step] = loss
         if not math.isfinite(loss):
-            amp = ctx.config.train.precision != "fp32"
+            amp = ctx.fact("precision") != "fp32"
             self.report_once("nan", ctx, "precision" if amp else "model", None,
                              f"the training loss is {loss} at step {step}", {"loss": str(loss)}, confidence=0.35,
                              step=step)

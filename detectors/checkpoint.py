@@ -161,6 +161,8 @@ def snapshot(run) -> dict:
 @register
 class ResumeContinuity(Detector):
     id = "resume_continuity"
+    needs_run = ("sampler.next_indices",)
+    needs_seams = (CAPTURE_RNG, RESTORE_RNG)
     family = "checkpoint"
     passive = False
     description = ("a run loaded from a checkpoint must equal the saved run in weights, optimizer, LR, scheduler, "

@@ -122,6 +122,9 @@ def collate_violations(collate, docs: list[list[int]], pad_id: int, side: str, v
 @register
 class CollateContract(Detector):
     id = "collate_contract"
+    needs_run = ("tokenizer.pad_id", "tokenizer.bos_id", "tokenizer.eos_id", "tokenizer.unk_id")
+    needs_config = ("model.vocab_size", "data.pad_side")
+    needs_seams = (COLLATE, POSITIONS)
     family = "collate"
     passive = False
     description = ("the run's collate on crafted documents (mixed lengths, unpadded, single; both pad sides): "

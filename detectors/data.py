@@ -182,6 +182,9 @@ def _tokenizer_finding(problems: dict[str, list[str]]) -> tuple[str, str, float]
 @register
 class CorpusInvariants(Detector):
     id = "corpus_invariants"
+    needs_run = ("corpus.train", "corpus.val", "tokenizer.pad_id", "tokenizer.bos_id", "tokenizer.eos_id")
+    needs_config = ("data.seq_len", "model.vocab_size")
+    needs_seams = (TRUNCATE,)
     family = "data"
     passive = False
     description = ("every train/val example is [bos, ..., eos], <= seq_len, in the model's vocabulary; localized "
@@ -224,6 +227,10 @@ class CorpusInvariants(Detector):
 @register
 class TokenizerRoundtrip(Detector):
     id = "tokenizer_roundtrip"
+    needs_run = ("corpus.train", "tokenizer.encode_batch", "tokenizer.pad_id", "tokenizer.bos_id",
+                 "tokenizer.eos_id", "tokenizer.unk_id")
+    needs_config = ("data.seq_len",)
+    needs_seams = (ENCODE, ENCODE_BATCH, DECODE)
     family = "data"
     passive = False
     description = ("decode(encode(text)) == text, encode wraps [bos, ..., eos], encode_batch == encode, "
@@ -249,7 +256,7 @@ class BatchSpecialIds(probes.BatchWatch):
                    "collate with tokenizer.pad_id decides whether collate or its caller is at fault")
 
     def check_batch(self, ctx, batch) -> bool:
-        pad_id, vocab = ctx.run.tokenizer.pad_id, ctx.config.model.vocab_size
+        pad_id, vocab = ctx.fact("pad_id"), ctx.fact("vocab_size")
         ids, mask = batch.get("input_ids"), batch.get("attention_mask")
         if not isinstance(ids, torch.Tensor):
             return False
@@ -277,13 +284,16 @@ class BatchSpecialIds(probes.BatchWatch):
                 else f"batch holds {evidence['ids_out_of_range']} ids outside [0, {vocab})")
         if bad_pad is not None and not 0 <= bad_pad < vocab:
             what += f" (id {bad_pad} is past the embedding table of {vocab} rows)"
-        side = ctx.config.data.pad_side
+        side = ctx.fact("pad_side")
         docs = probes.documents(batch, side)
         mask = batch.get("attention_mask")
         real_bad = bool(out_of_range[mask.bool()].any()) if isinstance(mask, torch.Tensor) else True
         if docs is None or real_bad:
-            seam = LOAD_CORPUS if real_bad and docs is not None else None
+            seam = ctx.known_seam(LOAD_CORPUS) if real_bad and docs is not None else None
             self.report(ctx, "data", seam, f"{what}; the offending ids sit on real tokens", evidence, confidence=0.5)
+            return
+        if COLLATE not in ctx.seams:  # no collate of the run to tell it from its caller
+            self.report(ctx, "collate", None, what, evidence, confidence=0.4)
             return
 
         def pads_right(ref: dict) -> bool:

@@ -120,6 +120,9 @@ class _Guarded(Detector):
 @register
 class ReductionProbe(_Guarded):
     id = "reduction_probe"
+    needs_run = ("corpus.train", "tokenizer.pad_id")
+    needs_config = ("train.device",)
+    needs_seams = (SYNC, HOOK, WRAP)
     family = "distributed"
     passive = False
     description = ("one probe batch, loss scaled by rank+1, through the bare model and the DDP wrapper (plain, and "
@@ -220,6 +223,8 @@ class ReductionProbe(_Guarded):
 @register
 class RankCollectives(_Guarded):
     id = "rank_collectives"
+    needs_config = ("train.device",)
+    needs_seams = (TARGET_COUNT, MEAN)
     family = "distributed"
     passive = False
     description = ("global_target_count and mean_over_ranks called with rank-dependent values on every rank must "
@@ -309,7 +314,7 @@ class RankAgreement(_Guarded):
 
     def _judge(self, ctx: RunContext, step: int, k: int, digest: int, mx: torch.Tensor, mn: torch.Tensor) -> None:
         if float(mn[-1]) >= 0 and float(mx[-1]) == float(mn[-1]):
-            self.report_once("data", ctx, "distributed", NEXT_INDICES,
+            self.report_once("data", ctx, "distributed", ctx.known_seam(NEXT_INDICES),
                              f"every rank trained on the identical batch at step {step}: the data is not sharded "
                              "across ranks", evidence={"batch_digest": digest}, confidence=0.8, step=step)
         params_differ = disagreeing(mx[:k], mn[:k])
@@ -329,13 +334,13 @@ class RankAgreement(_Guarded):
                 # equal after the reduction, then scaled by one factor per group of parameters on each rank:
                 # a rank-local rescaling between the all-reduce and the step (clipping with a local norm)
                 evidence["max_over_min_factors"] = factors
-                self.report_once("grads", ctx, "distributed", CLIP,
+                self.report_once("grads", ctx, "distributed", ctx.known_seam(CLIP),
                                  f"at step {step} the ranks step with gradients that differ only by "
                                  f"{len(factors)} constant factor(s) per group of parameters: the all-reduced "
                                  "gradients were rescaled rank-locally before the step (clipping by a local norm)",
                                  evidence=evidence, confidence=0.65, step=step)
             else:
-                self.report_once("grads", ctx, "distributed", SYNC,
+                self.report_once("grads", ctx, "distributed", ctx.known_seam(SYNC),
                                  f"at step {step} the ranks step with different gradients ({int(grads_differ.sum())} "
                                  f"of {k} parameters' gradient norms differ): the gradient all-reduce did not make "
                                  "them equal", evidence=evidence, confidence=0.7, step=step)
@@ -356,7 +361,7 @@ class RankAgreement(_Guarded):
         differ = disagreeing(mx, mn)
         if differ.any():
             names = self._safely("names", lambda: [n for n, _ in ctx.run.model.named_parameters()], [])
-            self.report_once("load", ctx, "distributed", LOAD,
+            self.report_once("load", ctx, "distributed", ctx.known_seam(LOAD),
                              f"right after loading the checkpoint the ranks hold different weights "
                              f"({int(differ.sum())} of {differ.numel()} parameters differ): not every rank loaded "
                              "the saved weights (DDP broadcasts only when it wraps the model)",
@@ -382,6 +387,8 @@ def _batch_digest(micro_batches: list[dict]) -> int:
 @register
 class RankDataDistinct(_Guarded):
     id = "rank_data_distinct"
+    needs_run = ("sampler",)
+    needs_seams = (NEXT_INDICES,)
     family = "distributed"
     passive = False
     description = ("the run's sampler, asked (on copies) for every rank's slice of the next global batch, must return "
@@ -424,6 +431,8 @@ class RankDataDistinct(_Guarded):
 @register
 class RankGradNormAgreement(_Guarded):
     id = "rank_grad_norm_agreement"
+    needs_config = ("train.grad_clip",)
+    needs_seams = (CLIP,)
     family = "distributed"
     passive = True
     description = ("the logged pre-clip grad norm must be the norm of the whole all-reduced gradient (so the same on "

@@ -64,6 +64,9 @@ def replicate_eval(ctx, docs, batch_size: int) -> dict:
 @register
 class EvalContract(Detector):
     id = "eval_contract"
+    needs_run = ("corpus.val", "tokenizer.pad_id")
+    needs_config = ("data.seq_len", "data.pad_side", "train.precision")
+    needs_seams = (EVALUATE, COLLATE, LM_LOSS, COUNT_TARGETS, AUTOCAST)
     family = "eval"
     passive = False
     description = ("evaluate runs the model in eval mode, restores its mode, and returns the token-mean loss over "
@@ -165,6 +168,8 @@ class EvalContract(Detector):
 @register
 class SplitOverlap(Detector):
     id = "split_overlap"
+    needs_run = ("corpus.train", "corpus.val", "tokenizer.pad_id")
+    needs_seams = (SPLIT_OF,)
     family = "eval"
     passive = False
     description = ("no validation document is a training document; the run's split_of assigns the corpus's val "

@@ -231,6 +231,9 @@ def _row_diagnosis(forward_loss, model, batch: dict, n: int, prec: str, got: flo
 @register
 class LossContract(Detector):
     id = "loss_contract"
+    needs_run = ("corpus.train", "tokenizer.pad_id")
+    needs_config = ("model.vocab_size", "data.pad_side", "train.device")
+    needs_seams = (LM_LOSS, COUNT_TARGETS)
     family = "loss"
     passive = False
     description = ("lm_loss / count_targets on crafted logits and a collated batch: next-token shift, ignore value, "
@@ -260,6 +263,9 @@ class LossContract(Detector):
 @register
 class ForwardLossContract(Detector):
     id = "forward_loss_contract"
+    needs_run = ("corpus.train", "tokenizer.pad_id")
+    needs_config = ("model.vocab_size", "train.precision", "train.device")
+    needs_seams = (LM_LOSS, FORWARD_LOSS)
     family = "loss"
     passive = False
     description = "forward_loss(model, batch, n) == lm_loss(model logits, batch labels, n), and scales as 1/n"
@@ -278,6 +284,9 @@ class ForwardLossContract(Detector):
 @register
 class LogitGradScale(Detector):
     id = "logit_grad_scale"
+    needs_run = ("corpus.train", "tokenizer.pad_id")
+    needs_config = ("model.vocab_size", "train.precision", "train.device")
+    needs_seams = (LM_LOSS, FORWARD_LOSS, TRAIN_STEP)
     family = "loss"
     passive = True
     description = ("d(loss)/d(logits) per target row has L1 <= 2*scale/N (N: the step's targets) and is zero on rows "
@@ -389,7 +398,7 @@ class LossVsFloor(Detector):
         self._train_below = False
 
     def on_after_step(self, ctx, record) -> None:
-        floor = ctx.run.corpus.loss_floor
+        floor = ctx.fact("loss_floor")
         loss = float(record.loss)
         if math.isfinite(loss) and loss < self.FRACTION * floor:
             self._below += 1
@@ -404,7 +413,7 @@ class LossVsFloor(Detector):
                         confidence=0.35)
 
     def on_end(self, ctx, metrics) -> None:
-        floor = ctx.run.corpus.loss_floor
+        floor = ctx.fact("loss_floor")
         val = metrics.get("val_loss")
         if val is None or not math.isfinite(val) or val >= 0.9 * floor or self._train_below:
             return
@@ -413,7 +422,7 @@ class LossVsFloor(Detector):
         evidence = {"val_loss": val, "loss_floor": floor, "recent_train_loss": train}
         if math.isfinite(train) and val < 0.5 * train:
             # a correct evaluation of a model trained this briefly gives about its recent train loss
-            self.report(ctx, "eval", "model.evaluate.evaluate",
+            self.report(ctx, "eval", ctx.known_seam("model.evaluate.evaluate"),
                         f"val loss {val:.3f} is below the corpus's Bayes-optimal loss {floor:.3f} and less than half "
                         f"the recent train loss {train:.3f}: the evaluation does not measure next-token cross-entropy "
                         "over real tokens", evidence, confidence=0.4)

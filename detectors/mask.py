@@ -168,6 +168,9 @@ def _autocast(ctx):
 @register
 class MaskContract(Detector):
     id = "mask_contract"
+    needs_run = ("corpus.train", "tokenizer.pad_id")
+    needs_config = ("train.precision", "train.device", "model.n_layer", "data.seq_len")
+    needs_seams = (BUILD_MASK, GPT_FORWARD)
     family = "mask"
     passive = False
     description = ("build_attention_mask on crafted left-padded / cached masks in fp32, bf16, fp16 (and the mask the "
@@ -271,6 +274,9 @@ class _ProbedTwice(Detector, abc.ABC):
 @register
 class CausalityProbe(_ProbedTwice):
     id = "causality_probe"
+    needs_run = ("corpus.train", "tokenizer.pad_id")
+    needs_config = ("train.device", "data.seq_len")
+    needs_seams = (BUILD_MASK, ATTEND)
     family = "mask"
     passive = False
     description = ("perturb the tokens after t: logits at <= t must not move, on the mask-free path (no padding) "
@@ -330,6 +336,9 @@ class CausalityProbe(_ProbedTwice):
 @register
 class PaddingInvariance(_ProbedTwice):
     id = "padding_invariance"
+    needs_run = ("corpus.train", "tokenizer.pad_id")
+    needs_config = ("train.device", "data.seq_len")
+    needs_seams = (BUILD_MASK, POSITIONS, ATTEND)
     family = "mask"
     passive = False
     description = "each document alone vs inside a left- and a right-padded batch: its real-token logits must match"

@@ -44,6 +44,8 @@ ZERO_EPS = 1e-6  # parameters that are exactly 0 at init in clean runs (biases) 
 @register
 class AttendContract(Detector):
     id = "attend_contract"
+    needs_config = ("train.device",)
+    needs_seams = (ATTEND,)
     family = "model"
     passive = False
     description = ("the run's attend on random q,k,v (mask-free causal, arbitrary explicit mask, cached steps, large "
@@ -229,6 +231,9 @@ COMPOSE_TOL = 1e-4  # relative; clean fp32 compositions agree to ~1e-7
 @register
 class ModuleComposition(Detector):
     id = "module_composition"
+    needs_run = ("corpus.train",)
+    needs_config = ("model.n_embd", "model.n_head", "model.rope_base", "train.device")
+    needs_seams = (ATTEND, GPT_FORWARD)
     family = "model"
     passive = False
     description = ("MLP, Block and GPT forwards vs their documented composition of the run's own submodules "
@@ -324,6 +329,9 @@ def output_kind(logits: torch.Tensor) -> str | None:
 @register
 class OutputContract(Detector):
     id = "output_contract"
+    needs_run = ("corpus.train",)
+    needs_config = ("model.vocab_size", "train.device")
+    needs_seams = (GPT_FORWARD,)
     family = "model"
     passive = True
     description = "the model returns unnormalized scores (B, T, vocab), not probabilities or log-probabilities"

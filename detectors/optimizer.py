@@ -185,6 +185,8 @@ def clip_problems(result: dict) -> list[str]:
 @register
 class OptimizerConfig(Detector):
     id = "optimizer_config"
+    needs_config = ("train.lr", "train.betas", "train.eps", "train.weight_decay")
+    needs_seams = (CONFIGURE,)
     family = "optimizer"
     passive = False
     description = "param groups vs the config: every trainable parameter in exactly one group, lr/betas/eps, decay rule"
@@ -252,6 +254,8 @@ class OptimizerConfig(Detector):
 @register
 class LrSchedule(Detector):
     id = "lr_schedule"
+    needs_config = ("train.lr", "train.accum")
+    needs_seams = (LR_AT, MAKE_SCHEDULER)
     family = "optimizer"
     passive = True
     description = "the lr of every step vs warmup + cosine from the config; lr_at / make_scheduler / the step localized"
@@ -378,6 +382,8 @@ class LrSchedule(Detector):
 @register
 class GradHygiene(Detector):
     id = "grad_hygiene"
+    needs_config = ("train.grad_clip", "train.device")
+    needs_seams = (OPTIMIZER_STEP, CLIP)
     family = "optimizer"
     passive = True
     description = ("optimizer_step/clip_gradients contracts on throwaway objects; live: grads present at the optimizer "
@@ -582,6 +588,9 @@ def _grad_norm(params) -> float:
 @register
 class TrainStepContract(Detector):
     id = "train_step_contract"
+    needs_run = ("corpus",)
+    needs_config = ("train.accum", "train.device")
+    needs_seams = (TRAIN_STEP, COUNT_TARGETS, FORWARD_LOSS)
     family = "optimizer"
     passive = False
     description = ("train_step on a throwaway model copy / SGD / scaler: logs the window's loss and true pre-clip "

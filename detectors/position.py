@@ -210,6 +210,8 @@ def _attend_decode_problem(fn, device) -> str | None:
 @register
 class RopeProperties(Detector):
     id = "rope_properties"
+    needs_config = ("model.n_embd", "model.n_head", "model.max_positions", "model.rope_base", "train.device")
+    needs_seams = (TABLES, ROPE_AT, APPLY, POSITIONS)
     family = "position"
     passive = False
     description = ("rope_tables (max_positions rows, unit angles, linear in position), rope_at, apply_rope (a "
@@ -251,6 +253,9 @@ def _rope_seam_at_fault(ctx, head_dim: int, device) -> tuple[str, str] | None:
 @register
 class ShiftInvariance(Detector):
     id = "shift_invariance"
+    needs_run = ("corpus.train",)
+    needs_config = ("model.n_embd", "model.n_head", "model.max_positions", "model.rope_base", "train.device")
+    needs_seams = (APPLY, ROPE_AT, ATTN_FORWARD)
     family = "position"
     passive = False
     description = ("shifting every position id by a constant must not change an attention module's output (a copy with "
@@ -339,6 +344,9 @@ class ShiftInvariance(Detector):
 @register
 class KVCacheConsistency(Detector):
     id = "kv_cache_consistency"
+    needs_run = ("corpus.train", "corpus.val", "tokenizer.pad_id")
+    needs_config = ("model.n_layer", "train.device")
+    needs_seams = (KV_UPDATE, POSITIONS, BUILD_MASK, ATTEND, GENERATE)
     family = "position"
     passive = False
     description = ("KVCache.update's contract; cached greedy decode of left-padded prompts vs one uncached forward "

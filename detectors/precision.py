@@ -108,6 +108,8 @@ def scaled_clip_probe(ctx) -> dict:
 @register
 class ScalerMonitor(Detector):
     id = "scaler_monitor"
+    needs_config = ("train.precision", "train.init_scale", "train.device")
+    needs_seams = (MAKE_SCALER, OPTIMIZER_STEP, CLIP)
     family = "precision"
     passive = True
     description = ("fp16: scaler enabled with scale > 1; optimizer_step updates the scaler; clip_gradients unscales "
@@ -200,6 +202,8 @@ class ScalerMonitor(Detector):
 @register
 class NonfiniteOrigin(Detector):
     id = "nonfinite_origin"
+    needs_config = ("train.precision",)
+    needs_seams = (AUTOCAST,)
     family = "precision"
     passive = True
     description = ("when the loss turns non-finite: the module where non-finite values originate (finite inputs, "
@@ -287,6 +291,8 @@ class NonfiniteOrigin(Detector):
 @register
 class Fp16AttentionStress(Detector):
     id = "fp16_attention_stress"
+    needs_config = ("train.precision", "train.device", "model.n_embd", "model.n_head")
+    needs_seams = (ATTEND, AUTOCAST)
     family = "precision"
     passive = False
     description = ("attend() with large attention scores in the compute dtype vs an fp32 softmax reference; a model "

@@ -145,7 +145,7 @@ def recollate(ctx, docs, side: str, inspect_batch: Callable[[dict], Any]) -> tup
     probe; (None, the error) when either raises. Tells whether collate or its caller shaped a real batch."""
     with ctx.probe():
         try:
-            return inspect_batch(ctx.seam("model.data.collate")(docs, ctx.run.tokenizer.pad_id, side)), None
+            return inspect_batch(ctx.seam("model.data.collate")(docs, ctx.fact("pad_id"), side)), None
         except Exception as exc:  # noqa: BLE001
             return None, f"{type(exc).__name__}: {exc}"
 

@@ -29,7 +29,7 @@ class PaddingWaste(probes.BatchWatch):
     description = "each batch is as wide as its longest real row (no padding beyond it); collate vs its caller"
 
     def check_batch(self, ctx, batch) -> bool:
-        side = ctx.config.data.pad_side
+        side = ctx.fact("pad_side")
         mask = batch.get("attention_mask")
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             return False
@@ -42,6 +42,10 @@ class PaddingWaste(probes.BatchWatch):
             return False
         evidence = {"width": width, "longest_row": longest, "real_tokens": int(mask.long().sum()),
                     "positions": mask.numel(), "step": ctx.step}
+        if COLLATE not in ctx.seams:  # no collate to re-run: the waste is found, its place is not
+            self.report(ctx, "collate", None, f"batch padded to {width} columns but its longest document has "
+                        f"{longest} tokens", evidence, confidence=0.4)
+            return True
         ref_width, error = probes.recollate(ctx, docs, side, lambda ref: int(ref["input_ids"].shape[1]))
         if error is not None:
             evidence["collate_error"] = error
@@ -92,7 +96,7 @@ class GraphRetention(Detector):
         if history and history[-1] is not record:
             held += [f"run.history[-1].{h}" for h in _graph_tensors(history[-1])]
         if held:
-            self.report(ctx, "optimizer", TRAIN_STEP,
+            self.report(ctx, "optimizer", ctx.known_seam(TRAIN_STEP),
                         "the step record keeps a tensor attached to the autograd graph (every step's graph, "
                         f"activations included, stays alive): {', '.join(held)}",
                         {"fields": held, "history_len": len(history) if history is not None else None},

@@ -77,6 +77,27 @@ class HFRun:
     def loss_floor(self) -> float:
         return self.texts.loss_floor
 
+    # the general facts a detector's context reads (``detectors.api.FACTS``)
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def precision(self) -> str:
+        return self.config.precision
+
+    @property
+    def pad_side(self) -> str:
+        return self.tokenizer.padding_side
+
+    @property
+    def accum(self) -> int:
+        return self.config.accum
+
 
 _NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 
