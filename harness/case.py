@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import targets
 from detectors.api import HOOKS, Detector, NotApplicable, RunContext, all_detectors, rank_findings, rank_key
 from model.config import DataConfig, RunConfig, get_preset
 from model.seams import SEAMS, resolve
@@ -151,11 +152,6 @@ def has(recipe: Recipe, need: tuple[str, str]):
     return _feature(section, key, getattr(getattr(recipe.config(0), section, None), key, None))
 
 
-def unmet(manifest, recipe: Recipe) -> list[str]:
-    """The manifest's needs that ``recipe`` does not meet, as "section.key=value" (empty: it can show there)."""
-    return [f"{s}.{k}={v}" for (s, k), v in needs(manifest).items() if has(recipe, (s, k)) != v]
-
-
 def features(recipe: Recipe) -> int:
     """How many code paths the recipe switches on beyond the plain fp32 run."""
     cfg = recipe.config(0)
@@ -164,72 +160,103 @@ def features(recipe: Recipe) -> int:
                 crosses_epoch(cfg)))
 
 
-def recipes_for(manifest) -> list[str]:
-    """Every recipe that meets the manifest's needs, the plainest first (fewest ``features``, then order)."""
-    fit = [name for name, r in RECIPES.items() if not unmet(manifest, r)]
-    return sorted(fit, key=lambda name: features(RECIPES[name]))
+# ---- the matcher, for any target: its needs/has/features (the reference's are above) -------------------
+
+def _label(need: tuple[str, str], value) -> str:
+    section, key = need
+    return f"{section}.{key}={value}" if section else f"{key}={value}"
 
 
-def recipe_for(manifest) -> str:
-    """The plainest recipe in which the fault's manifest says it shows; ``NotRunnable`` if none can.
+def unmet(manifest, recipe, target: str = "ref") -> list[str]:
+    """The manifest's needs that ``recipe`` (of ``target``) does not meet, as "section.key=value" (empty: it
+    can show there)."""
+    stack = targets.get(target)
+    return [_label(need, v) for need, v in stack.needs(manifest).items() if stack.has(recipe, need) != v]
+
+
+def recipes_for(manifest, target: str = "ref") -> list[str]:
+    """Every recipe of ``target`` that meets the manifest's needs, the plainest first (fewest ``features``,
+    then order)."""
+    stack = targets.get(target)
+    recipes = stack.recipes()
+    fit = [name for name, r in recipes.items() if not unmet(manifest, r, target)]
+    return sorted(fit, key=lambda name: stack.features(recipes[name]))
+
+
+def recipe_for(manifest, target: str = "ref") -> str:
+    """The plainest recipe of ``target`` in which the fault's manifest says it shows; ``NotRunnable`` if none can.
 
     Only the recipe reaches the case: its detectors see the same config as the clean cases of it.
     """
-    fit = recipes_for(manifest)
+    fit = recipes_for(manifest, target)
     if not fit:
-        closest = min(RECIPES.values(), key=lambda r: len(unmet(manifest, r)))
-        wanted = ", ".join(f"{s}.{k}={v}" for (s, k), v in needs(manifest).items())
-        raise NotRunnable(f"needs {wanted}: no recipe has all of it (closest, {closest.name}, lacks "
-                          f"{', '.join(unmet(manifest, closest))})")
+        stack = targets.get(target)
+        closest = min(stack.recipes().values(), key=lambda r: len(unmet(manifest, r, target)))
+        wanted = ", ".join(_label(need, v) for need, v in stack.needs(manifest).items())
+        raise NotRunnable(f"needs {wanted}: no {target} recipe has all of it (closest, {closest.name}, lacks "
+                          f"{', '.join(unmet(manifest, closest, target))})")
     return fit[0]
 
 
-MIN_SUBSYSTEMS = 3  # a recipe that holds faults holds faults of this many subsystems at least
+MIN_SUBSYSTEMS = 3  # a recipe that holds faults holds faults of this many subsystems at least, on every target
 
 
 def assign_recipes(specs: dict) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """The recipes each fault runs in, and why the others cannot run: ({fault id: [recipes]}, {fault id: reason}).
+    """The recipes each fault runs in (of its own target), and why the others cannot run: ({fault id:
+    [recipes]}, {fault id: reason}).
 
     A fault runs in its plainest fitting recipe (``recipe_for``). A recipe that then holds faults of fewer
     than ``MIN_SUBSYSTEMS`` subsystems would tell a detector that recognises its config where to look, so
-    it also gets, one per missing subsystem, a fault it can show that it does not hold yet: the one with
-    the most needs (it exercises the recipe's combination), then the one run in the fewest recipes so far,
-    then a fault that acts on every step, then by id.
+    it also gets, one per missing subsystem, a fault of its target it can show that it does not hold yet: the
+    one with the most needs (it exercises the recipe's combination), then the one run in the fewest recipes
+    so far, then a fault that acts on every step, then by id.
     """
     runs, not_runnable = {}, {}
     for fault_id, spec in specs.items():
         try:
-            runs[fault_id] = [recipe_for(spec.manifest)]
+            runs[fault_id] = [recipe_for(spec.manifest, spec.target)]
         except NotRunnable as exc:
             not_runnable[fault_id] = str(exc)
-    fits = {f: recipes_for(specs[f].manifest) for f in runs}
-    for recipe in RECIPES:
-        held = {specs[f].subsystem for f, rs in runs.items() if recipe in rs}
-        while held and len(held) < MIN_SUBSYSTEMS:
-            candidates = [f for f in runs if recipe in fits[f] and specs[f].subsystem not in held]
-            if not candidates:
-                break
-            pick = min(candidates, key=lambda f: (-len(needs(specs[f].manifest)), len(runs[f]),
-                                                  specs[f].trigger != "always", f))
-            runs[pick].append(recipe)
-            held.add(specs[pick].subsystem)
+    fits = {f: recipes_for(specs[f].manifest, specs[f].target) for f in runs}
+    for target in dict.fromkeys(specs[f].target for f in runs):
+        mine = [f for f in runs if specs[f].target == target]
+        stack = targets.get(target)
+        for recipe in stack.recipes():
+            held = {specs[f].subsystem for f in mine if recipe in runs[f]}
+            while held and len(held) < MIN_SUBSYSTEMS:
+                candidates = [f for f in mine if recipe in fits[f] and specs[f].subsystem not in held]
+                if not candidates:
+                    break
+                pick = min(candidates, key=lambda f: (-len(stack.needs(specs[f].manifest)), len(runs[f]),
+                                                      specs[f].trigger != "always", f))
+                runs[pick].append(recipe)
+                held.add(specs[pick].subsystem)
     return runs, not_runnable
 
 
 @dataclass(frozen=True)
 class Case:
+    """A recipe of a target (``targets.get``), the faults injected (none: clean), a seed, the detectors."""
+
     recipe: str
     seed: int
     faults: tuple[str, ...] = ()
     detectors: tuple[str, ...] = ()
     plugins: tuple[str, ...] = ()
+    target: str = "ref"
 
     @property
     def name(self) -> str:
-        return f"{'+'.join(self.faults) or 'clean'}/{self.recipe}/s{self.seed}"
+        """``fault/recipe/sSEED`` on the reference, ``target:fault/recipe/sSEED`` on another target."""
+        prefix = "" if self.target == "ref" else f"{self.target}:"
+        return f"{prefix}{'+'.join(self.faults) or 'clean'}/{self.recipe}/s{self.seed}"
+
+    @property
+    def world_size(self) -> int:
+        return targets.get(self.target).recipes()[self.recipe].world_size
 
     def to_dict(self) -> dict:
-        return {"recipe": self.recipe, "seed": self.seed, "faults": list(self.faults),
+        return {"target": self.target, "recipe": self.recipe, "seed": self.seed, "faults": list(self.faults),
                 "detectors": list(self.detectors), "plugins": list(self.plugins)}
 
 
@@ -476,13 +503,34 @@ def behaviour(record: dict) -> str:
 
 
 def case_from_dict(d: dict) -> Case:
-    return Case(d["recipe"], d["seed"], tuple(d["faults"]), tuple(d["detectors"]), tuple(d["plugins"]))
+    return Case(d["recipe"], d["seed"], tuple(d["faults"]), tuple(d["detectors"]), tuple(d["plugins"]),
+                d.get("target", "ref"))  # a record or bundle from before targets is the reference's
+
+
+def run_target_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str | None = None,
+                    capture_dir: str | None = None) -> dict:
+    """``case`` on its target, in this process (or on this rank): plugins loaded, faults injected around the
+    target's ``run_case``; never raises (a crash is recorded). ``capture_dir`` (a repro bundle's steps) is
+    passed on only to a target that captures (``Target.captures``)."""
+    from faults.inject import injected
+    from faults.registry import load_plugin
+
+    for plugin in case.plugins:
+        load_plugin(plugin)
+    stack = targets.get(case.target)
+    options = {"capture_dir": capture_dir} if capture_dir is not None and stack.captures else {}
+    random.seed(case.seed)
+    with injected(*case.faults):
+        record = stack.run_case(case.recipe, case.seed, case.detectors, golden, rank, workdir, **options)
+    record["case"] = case.to_dict()
+    return record
 
 
 def run_case_on_rank(rank: int, case_dict: dict, golden: dict | None, workdir: str,
                      capture_dir: str | None = None) -> dict:
-    """RankPool entry: the case on this rank (the process group is initialized)."""
-    return run_case(case_from_dict(case_dict), golden, rank, workdir, capture_dir)
+    """RankPool entry: the case on this rank (the process group is initialized), on its target."""
+    torch.set_num_threads(1)
+    return run_target_case(case_from_dict(case_dict), golden, rank, workdir, capture_dir)
 
 
 def case_hash(case: Case, code_digest: str) -> str:
@@ -505,10 +553,10 @@ def source_digest(*folders: str) -> str:
 
 def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float = 120.0,
             capture_dir: str | None = None) -> dict:
-    """Run a case where its recipe needs it: here, or on every rank of ``pool`` (findings of all ranks
-    merged, the record of rank 0 otherwise). A rank failure (raise, death, hang) is a crash record."""
-    if RECIPES[case.recipe].world_size == 1:
-        return run_case(case, golden, capture_dir=capture_dir)
+    """Run a case on its target where its recipe needs it: here, or on every rank of ``pool`` (findings of
+    all ranks merged, the record of rank 0 otherwise). A rank failure (raise, death, hang) is a crash record."""
+    if case.world_size == 1:
+        return run_target_case(case, golden, capture_dir=capture_dir)
     from harness.launch import RankFailure
 
     try:
