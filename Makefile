@@ -67,6 +67,7 @@ bench-peers: setup $(PEERS)/.installed $(SMDEBUG)/.installed
 
 perf: setup
 	$(PY) -m benchmarks.perf
+	$(PY) -m benchmarks.hf_perf
 	$(PY) -m benchmarks.dist_startup
 	$(PY) -m benchmarks.detector_overhead
 
