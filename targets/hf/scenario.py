@@ -3,7 +3,8 @@
 A manifest of an HF fault names a scenario and a variant of the ``fp32`` recipe (``Recipe`` fields, with
 ``model``/``data`` as nested dicts; ``{"recipe": "left_pad"}`` starts from another recipe):
 - ``train``: train ``steps``, evaluate; losses, grad norms, LRs, the crash (seams on its traceback), val loss,
-  and in ``extra`` the share of label positions that are targets and the decayed-parameter count;
+  and in ``extra`` the share of label positions that are targets (and of
+  documents whose EOS is one, ``eos_target_fraction``) and the decayed-parameter count;
 - ``generate``: ``train``, then two probes of the trained model: greedy ``generate`` (DynamicCache) on
   left-padded prompts against a full forward of the same sequences (``cached_logit_gap``), each prompt
   alone against the left-padded batch (``pad_logit_gap``), and every position shifted by the same amount
@@ -32,6 +33,7 @@ from targets.hf.run import HFRun, build_run, evaluate
 SCENARIOS = ("train", "generate", "resume", "ddp")
 PROMPT_LENGTHS = (3, 5, 4, 6)  # left-padded prompts of different lengths: padding and cache offsets matter
 NEW_TOKENS = 8
+EOS_DOCS = 256  # documents of the EOS probe: enough that the rare over-long ones (~1%) are among them
 
 
 def scenario_recipe(variant: dict, steps: int, world_size: int = 1) -> Recipe:
@@ -80,6 +82,7 @@ def _train_phase(recipe: Recipe, seed: int, workdir: Path, out: dict, rank: int 
         finally:
             _record(run, out)
         out["extra"]["target_fraction"] = _target_fraction(run)
+        out["extra"]["eos_target_fraction"] = _eos_target_fraction(run)
         out["extra"]["decayed_params"] = _decayed_params(run)
         out["val_loss"] = evaluate(run)
         return run
@@ -92,6 +95,14 @@ def _target_fraction(run: HFRun) -> float:
     """Labels that are targets (not -100) over real tokens, on a collated batch of 8 training documents."""
     batch = run.trainer.data_collator([run.trainer.train_dataset[i] for i in range(8)])
     return float((batch["labels"] != -100).sum() / batch["attention_mask"].sum())
+
+
+def _eos_target_fraction(run: HFRun) -> float:
+    """Share of the first ``EOS_DOCS`` training documents, collated as for training, whose labels hold the EOS id:
+    clean 1 (every document ends with a supervised EOS, truncation keeps it)."""
+    docs = [run.trainer.train_dataset[i] for i in range(min(EOS_DOCS, len(run.trainer.train_dataset)))]
+    labels = run.trainer.data_collator(docs)["labels"]  # (EOS_DOCS, T)
+    return float((labels == run.tokenizer.eos_token_id).any(-1).float().mean())
 
 
 def _decayed_params(run: HFRun) -> int:
