@@ -91,7 +91,7 @@ def read_rows(results: Path, tool: Tool) -> list[dict]:
     timings = {(t["case"], t["detector"]): t for t in (_csv_rows(timing_path) if timing_path.exists() else [])}
     return [{"train_s": 0.0, "step_s": 0.0, "other_s": 0.0, **timings.get((r["case"], r["detector"]), {}), **r}
             for r in _csv_rows(path)  # the peers ran on the reference: its rows only
-            if r["detector"] == tool.id and r.get("target", "ref") == "ref"]
+            if r["detector"] == tool.id and r.get("target") in (None, "", "ref")]
 
 
 def tool_scores(results: Path, tool: Tool, rows: list[dict]) -> dict:
