@@ -31,10 +31,10 @@ from faults.registry import FaultError, FaultSpec, get_fault
 from model.seams import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
-# modules whose functions feed the in-process corpus cache (model.data.load_corpus)
-_CORPUS_MODULES = {"model.corpus", "model.tokenizer", "model.data"}
+# modules whose functions feed the in-process corpus caches (model.data.load_corpus, targets.hf.data.load_texts)
+_CORPUS_MODULES = {"model.corpus", "model.tokenizer", "model.data", "targets.hf.data"}
 # functions of those modules that never run while the corpus is built: replacing them keeps the cache
-_NOT_IN_CORPUS = {"collate"}
+_NOT_IN_CORPUS = {"collate", "wrap_tokenizer", "TextDataset.__getitem__"}
 
 
 def _touches_corpus(plan: dict[str, dict[str, str]]) -> bool:
@@ -161,13 +161,20 @@ def diff(fault_id: str) -> str:
     return "".join(chunks)
 
 
-def _code_objects(code: types.CodeType) -> dict[str, types.CodeType]:
+def _code_objects(code: types.CodeType) -> dict[tuple[str, tuple[str, ...]], types.CodeType]:
+    """Every function's code by (qualname, parameter names): a property's getter and setter share a qualname."""
     found = {}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            found[const.co_qualname] = const
+            found[const.co_qualname, _parameters(const)] = const
             found.update(_code_objects(const))
     return found
+
+
+def _parameters(code: types.CodeType) -> tuple[str, ...]:
+    n = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS) \
+        + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    return code.co_varnames[:n]
 
 
 def _module_functions(module: types.ModuleType):
@@ -192,7 +199,7 @@ def _module_functions(module: types.ModuleType):
 
 
 def _clear_corpus_caches() -> None:
-    for name in _CORPUS_MODULES:
+    for name in _CORPUS_MODULES & sys.modules.keys():  # the HF target's module is imported only with it
         for obj in vars(sys.modules[name]).values():
             if hasattr(obj, "cache_clear"):
                 obj.cache_clear()
@@ -229,7 +236,7 @@ def injected(*fault_ids: str):
             text = splice_module(Path(path).read_text(), replacements)
             codes = _code_objects(compile(text, path, "exec"))
             for qualname, fn in _module_functions(module):
-                new_code = codes.get(qualname)
+                new_code = codes.get((qualname, _parameters(fn.__code__)))
                 if new_code is None or len(new_code.co_freevars) != len(fn.__code__.co_freevars):
                     continue
                 saved.append((fn, fn.__code__))

@@ -4,15 +4,21 @@ A manifest of an HF fault names a scenario and a variant of the ``fp32`` recipe 
 ``model``/``data`` as nested dicts; ``{"recipe": "left_pad"}`` starts from another recipe):
 - ``train``: train ``steps``, evaluate; losses, grad norms, LRs, the crash (seams on its traceback), val loss,
   and in ``extra`` the share of label positions that are targets (and of
-  documents whose EOS is one, ``eos_target_fraction``) and the decayed-parameter count;
+  documents whose EOS is one, ``eos_target_fraction``), the decayed-parameter count, the share of
+  training forwards that replay an earlier forward's exact batch (``repeated_batches``: clean 0, batches are
+  drawn without replacement and reshuffled every epoch), the share of evaluated documents that are also
+  training documents (``val_train_overlap``: clean 0, the split is by document hash) and how far a second
+  evaluation of the same model lands from the first (``eval_repeat_gap``: clean 0, evaluation is deterministic);
 - ``generate``: ``train``, then two probes of the trained model: greedy ``generate`` (DynamicCache) on
   left-padded prompts against a full forward of the same sequences (``cached_logit_gap``), each prompt
   alone against the left-padded batch (``pad_logit_gap``), and every position shifted by the same amount
-  (``rope_shift_gap``: RoPE is relative, so zero up to rounding);
+  (``rope_shift_gap``: RoPE is relative, so zero up to rounding), and the same forward under the other
+  attention implementation, eager vs sdpa (``impl_logit_gap``: the same weights, so zero up to rounding);
 - ``resume``: ``train`` uninterrupted and again saved at ``steps // 2`` and resumed by a fresh Trainer;
   ``resume_loss_gap`` and ``resume_param_gap`` say how far the resumed run strays (clean: not at all);
 - ``ddp``: ``train`` on 2 ranks of a ``harness.launch.RankPool`` (faults injected on every rank by the
-  caller's entry point); ``rank_param_gap`` is the largest parameter difference between the ranks.
+  caller's entry point); ``rank_param_gap`` is the largest parameter difference between the ranks and
+  ``rank_batches_identical`` the share of training forwards where every rank got the same batch (clean 0).
 The outcome is a dict of ``harness.scenario.Outcome``'s fields; a crash is an outcome, never raised.
 """
 
@@ -28,7 +34,7 @@ import torch
 from targets.hf.case import crash_record
 from targets.hf.hooks import checkpoint_dir, train
 from targets.hf.recipes import RECIPES, Recipe
-from targets.hf.run import HFRun, build_run, evaluate
+from targets.hf.run import EVAL_DOCS, HFRun, build_run, evaluate
 
 SCENARIOS = ("train", "generate", "resume", "ddp")
 PROMPT_LENGTHS = (3, 5, 4, 6)  # left-padded prompts of different lengths: padding and cache offsets matter
@@ -69,14 +75,20 @@ def _crash(exc: BaseException, run: HFRun | None) -> dict:
     return record
 
 
-def _train_phase(recipe: Recipe, seed: int, workdir: Path, out: dict, rank: int = 0) -> HFRun | None:
-    """Build and train a run into ``out``; None (with ``out["crash"]``) if it raised."""
-    run = None
+def _train_phase(recipe: Recipe, seed: int, workdir: Path, out: dict, rank: int = 0,
+                 batches: list | None = None) -> HFRun | None:
+    """Build and train a run into ``out``; None (with ``out["crash"]``) if it raised. ``batches`` (if given)
+    receives the bytes of every training forward's input_ids, in order."""
+    run, seen = None, [] if batches is None else batches
+
+    def on_forward(module, args, kwargs) -> None:
+        if module.training:
+            out["batch_shapes"].append(tuple(kwargs["input_ids"].shape))
+            seen.append(kwargs["input_ids"].numpy().tobytes())
+
     try:
         run = build_run(recipe, seed, workdir, rank)
-        run.model.register_forward_pre_hook(
-            lambda module, args, kwargs: out["batch_shapes"].append(tuple(kwargs["input_ids"].shape))
-            if module.training else None, with_kwargs=True)
+        run.model.register_forward_pre_hook(on_forward, with_kwargs=True)
         try:
             train(run)
         finally:
@@ -84,7 +96,10 @@ def _train_phase(recipe: Recipe, seed: int, workdir: Path, out: dict, rank: int 
         out["extra"]["target_fraction"] = _target_fraction(run)
         out["extra"]["eos_target_fraction"] = _eos_target_fraction(run)
         out["extra"]["decayed_params"] = _decayed_params(run)
+        out["extra"]["repeated_batches"] = sum(b in seen[:i] for i, b in enumerate(seen)) / max(len(seen), 1)
+        out["extra"]["val_train_overlap"] = _val_train_overlap(run)
         out["val_loss"] = evaluate(run)
+        out["extra"]["eval_repeat_gap"] = abs(evaluate(run) - out["val_loss"])
         return run
     except Exception as exc:  # the crash is the outcome
         out["crash"] = _crash(exc, run)
@@ -95,6 +110,12 @@ def _target_fraction(run: HFRun) -> float:
     """Labels that are targets (not -100) over real tokens, on a collated batch of 8 training documents."""
     batch = run.trainer.data_collator([run.trainer.train_dataset[i] for i in range(8)])
     return float((batch["labels"] != -100).sum() / batch["attention_mask"].sum())
+
+
+def _val_train_overlap(run: HFRun) -> float:
+    """Share of the evaluated validation documents whose text is also a training document."""
+    train_texts, evaluated = set(run.texts.train), run.texts.val[:EVAL_DOCS]
+    return sum(t in train_texts for t in evaluated) / max(len(evaluated), 1)
 
 
 def _eos_target_fraction(run: HFRun) -> float:
@@ -132,10 +153,23 @@ def generation_gaps(run: HFRun) -> dict[str, float]:
         last = full[:, prompt_len - 1]  # (B, V): each prompt's next-token logits in the batch
         alone = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1].float() for p in prompts])
         shifted = model(input_ids=out.sequences, attention_mask=mask, position_ids=positions + 8).logits.float()
+        other = _other_attention(model, lambda: model(input_ids=out.sequences, attention_mask=mask,
+                                                      position_ids=positions).logits.float())
     real = mask.bool()
     return {"cached_logit_gap": float((cached - full[:, prompt_len - 1:-1]).abs().max()),
             "pad_logit_gap": float((last - alone).abs().max()),
-            "rope_shift_gap": float((shifted - full)[real].abs().max())}
+            "rope_shift_gap": float((shifted - full)[real].abs().max()),
+            "impl_logit_gap": float((other - full)[real].abs().max())}
+
+
+def _other_attention(model, forward):
+    """``forward()`` run with the model switched to the other attention implementation (eager <-> sdpa)."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa" if impl == "eager" else "eager")
+    try:
+        return forward()
+    finally:
+        model.set_attn_implementation(impl)
 
 
 def _max_param_gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -155,7 +189,8 @@ def run_scenario(scenario: str, variant: dict, steps: int, seed: int, rank: int 
     with tempfile.TemporaryDirectory(prefix="faultbench-hf-scenario-") as tmp:
         root = Path(workdir or tmp)
         recipe = scenario_recipe(variant, steps, world_size=2 if scenario == "ddp" else 1)
-        run = _train_phase(recipe, seed, root / "run", out, rank)
+        batches: list[bytes] = []
+        run = _train_phase(recipe, seed, root / "run", out, rank, batches)
         if run is None:
             return out
         if scenario == "generate":
@@ -163,7 +198,8 @@ def run_scenario(scenario: str, variant: dict, steps: int, seed: int, rank: int 
         elif scenario == "resume":
             _probe(out, lambda: out["extra"].update(_resume_gaps(recipe, seed, root, run)))
         elif scenario == "ddp":
-            _probe(out, lambda: out["extra"].update(rank_param_gap=_rank_param_gap(run)))
+            _probe(out, lambda: out["extra"].update(rank_param_gap=_rank_param_gap(run),
+                                                    rank_batches_identical=_rank_batches_identical(batches)))
     return out
 
 
@@ -198,3 +234,12 @@ def _rank_param_gap(run: HFRun) -> float:
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return max(float((g - gathered[0]).abs().max()) for g in gathered)
+
+
+def _rank_batches_identical(batches: list[bytes]) -> float:
+    """Share of training forwards where every rank fed the same input_ids (clean DDP: 0, the shards are disjoint)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, batches)
+    return sum(len(set(step)) == 1 for step in zip(*gathered)) / max(len(batches), 1)  # noqa: B905
