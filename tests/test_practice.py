@@ -103,11 +103,11 @@ def test_exercise_round_trip(tmp_path, monkeypatch, fault_id):
         assert not re.search(secret, text), secret
 
     broken = practice.scenario_outcome(ex, m)
-    if not m.scenario.startswith("ddp"):  # the copy runs exactly as the injected reference (DDP: a rank pool)
-        injected = run_scenario(m.scenario, m.variant, m.steps, m.seeds[0], (fault_id,)).to_dict()
-        assert (broken["crash"] or {}).get("type") == (injected["crash"] or {}).get("type")
-        assert (broken["crash"] or {}).get("step") == (injected["crash"] or {}).get("step")
-        assert _loss_mismatches(broken["losses"], injected["losses"]) == []
+    # the copy runs exactly as the injected reference (a DDP scenario starts a rank pool of its own)
+    injected = run_scenario(m.scenario, m.variant, m.steps, m.seeds[0], (fault_id,)).to_dict()
+    assert (broken["crash"] or {}).get("type") == (injected["crash"] or {}).get("type")
+    assert (broken["crash"] or {}).get("step") == (injected["crash"] or {}).get("step")
+    assert _loss_mismatches(broken["losses"], injected["losses"]) == []
     assert practice.repair_problems(broken, practice.reference_outcome(m), m), "the exercise shows no symptom"
 
     first = practice.hint(ex)
@@ -127,8 +127,11 @@ def test_hidden_choice_is_seeded_and_filtered():
     from harness.practice import choose_fault, difficulty
 
     assert choose_fault(7, None, "mask", None) == choose_fault(7, None, "mask", None)
-    assert all_faults()[choose_fault(7, None, "mask", None)].subsystem == "mask"
-    assert difficulty(all_faults()[choose_fault(1, None, None, "hard")]) == "hard"
+    # the seed picks among every match: other seeds reach other faults, always of the asked subsystem/level
+    masks = {choose_fault(seed, None, "mask", None) for seed in range(20)}
+    assert len(masks) > 1 and {all_faults()[f].subsystem for f in masks} == {"mask"}
+    hard = {choose_fault(seed, None, None, "hard") for seed in range(20)}
+    assert len(hard) > 1 and {difficulty(all_faults()[f]) for f in hard} == {"hard"}
     with pytest.raises(ValueError, match="no fault matches"):
         choose_fault(0, None, "no-such-subsystem", None)
     with pytest.raises(ValueError, match="difficulty must be one of"):
