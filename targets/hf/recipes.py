@@ -54,4 +54,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("resume", resume_at=8, model=ModelSpec(attention_dropout=0.1)),  # dropout: the RNG state matters
     Recipe("eager", model=ModelSpec(attn_implementation="eager")),  # the eager attention and mask path
     Recipe("ddp", accum=2, world_size=2),
+    # what real runs combine, and where bugs of the combination live: bf16 autocast, left padding, the eager
+    # attention and its additive mask, accumulation, attention dropout and a resume mid-run
+    Recipe("combined", steps=12, accum=2, precision="bf16", padding_side="left", resume_at=6,
+           model=ModelSpec(attention_dropout=0.1, attn_implementation="eager")),
 )}
