@@ -13,6 +13,7 @@ may be mid-collective) and rebuilt on the next call.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import queue
 import tempfile
@@ -53,6 +54,7 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, tasks, res
     _inject_from_env()
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=pg_timeout_s))
+    gc.freeze()  # the imported stack is never garbage: a case's collections (accelerate's, per train()) stay young
     results.put((rank, "ready", None))
     while (task := tasks.get()) is not None:
         fn, args = task

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import targets
 from faults.registry import all_faults
 from harness.cli import main
 
@@ -132,3 +133,51 @@ def test_pytest_fault_plugin_parametrizes_the_proofs_over_the_plugin_faults(tmp_
     refused = subprocess.run([*args[:-1], str(broken), "--collect-only"], capture_output=True, text=True, cwd=ROOT,
                              timeout=300)
     assert refused.returncode == 4 and f"{broken}:1: " in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_seams_and_faults_of_the_hf_target(capsys):
+    assert main(["seams", "--target", "hf", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == list(targets.get("hf").seams())
+    assert all(r["file"].startswith(("transformers/", "accelerate/", "targets/hf/")) and r["line"] > 0 for r in rows)
+    assert main(["faults", "--target", "hf", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {f["id"] for f in listed} == set(all_faults("hf")) and {f["target"] for f in listed} == {"hf"}
+    assert main(["faults", "--target", "all", "--json"]) == 0
+    assert {f["id"] for f in json.loads(capsys.readouterr().out)} == set(all_faults(None))
+
+
+def test_show_diffs_an_hf_fault_against_the_installed_transformers(capsys):
+    assert main(["show", "hf_label_shift_off_by_one"]) == 0
+    out = capsys.readouterr().out
+    assert "target           hf" in out and "\n--- a/transformers/" in out and "\n+++ b/transformers/" in out
+
+
+def test_run_an_hf_fault_against_the_clean_hf_run(capsys):
+    assert main(["run", "--fault", "hf_label_shift_off_by_one", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["target"] == "hf" and report["scenario"] == "train" and report["crash"] is None
+    assert report["val_loss"] < report["clean_val_loss"] - 0.3  # the manifest's symptom: copying the input is easy
+
+
+@pytest.mark.parametrize("argv, refusal", [
+    (["seams", "--target", "hff"], "unknown target 'hff'; did you mean 'hf'?"),
+    (["faults", "--target", "reff"], "unknown target 'reff'; did you mean 'ref'?"),
+    (["bench", "--target", "hg"], "unknown target 'hg'; did you mean 'hf'?"),
+])
+def test_an_unknown_target_is_a_one_line_refusal(argv, refusal, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and refusal in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, refusal", [
+    (["bench", "--target", "ref", "--fault", "hf_label_shift_off_by_one"], "is not a fault of --target ref"),
+    (["run", "--fault", "hf_label_shift_off_by_one", "--precision", "bf16"], "--precision configure the reference"),
+    (["run", "--fault", "hf_label_shift_off_by_one", "--fault", "label_permute"], "belong to different targets"),
+])
+def test_a_fault_outside_its_target_is_a_one_line_refusal(argv, refusal, capsys, tmp_path):
+    assert main([*argv, *(["--out", str(tmp_path)] if argv[0] == "bench" else [])]) == 2
+    err = capsys.readouterr().err
+    assert refusal in err and len(err.strip().splitlines()) == 1
