@@ -99,26 +99,26 @@ def test_the_matcher_assigns_hf_variants_by_their_essential_keys():
     assert home(model={"attention_dropout": 0.1}) == home("resume") == "resume"
     assert home(model={"attn_implementation": "eager"}) == home(recipe="eager") == "eager"
     assert home("ddp") == "ddp"
+    # only the combined recipe has all of these (the plainest recipe that has one of them is not enough)
+    assert home(recipe="eager", precision="bf16", padding_side="left") == home("resume", precision="bf16") == "combined"
     with pytest.raises(NotRunnable, match="lacks"):
-        home(recipe="eager", precision="bf16", padding_side="left")  # no HF recipe has all three
+        home("ddp", precision="bf16")  # no HF recipe runs bf16 on 2 ranks
     with pytest.raises(NotRunnable, match="gradient_checkpointing=True"):
         home(gradient_checkpointing=True)  # a key the matcher does not know is essential
-    with pytest.raises(NotRunnable, match="precision=bf16"):
-        home("resume", precision="bf16")
 
 
 def test_an_hf_fault_no_recipe_satisfies_is_not_runnable_with_its_reason(monkeypatch):
     import dataclasses
 
     base = all_faults("hf")["hf_label_shift_off_by_one"]
-    spec = dataclasses.replace(base, id="hf_needs_bf16_left_pad", manifest=Manifest(
-        check="crash", variant={"precision": "bf16", "padding_side": "left"}))
+    spec = dataclasses.replace(base, id="hf_needs_bf16_ddp", manifest=Manifest(
+        check="crash", scenario="ddp", variant={"precision": "bf16"}))
     monkeypatch.setitem(FAULTS, spec.id, spec)
     cases, faults = build_matrix(BenchConfig(seeds=(0,), detectors=("suite",), clean=False,
                                              faults=(spec.id, base.id)))
     assert {(c.target, c.faults) for c in cases} == {("hf", (base.id,))}
     reason = faults[spec.id]["not_runnable"]
-    assert "precision=bf16" in reason and "padding_side=left" in reason
+    assert "precision=bf16" in reason and "world_size=True" in reason
 
 
 def test_a_tiny_hf_bench_scores_its_cases_apart(tmp_path, monkeypatch):
