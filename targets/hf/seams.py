@@ -86,6 +86,7 @@ SEAMS: dict[str, str] = {
     "accelerate.utils.modeling.get_mixed_precision_context_manager": "precision",
     f"{_ACCEL}.backward": "precision",
     f"{_ACCEL}.unscale_gradients": "precision",
+    f"{_TRAINER}._move_model_to_device": "precision",  # the one place Trainer moves (and could cast) the weights
     # checkpoint: save/resume state
     f"{_TRAINER}._save_checkpoint": "checkpoint",
     f"{_TRAINER}._save_rng_state": "checkpoint",
@@ -100,6 +101,7 @@ SEAMS: dict[str, str] = {
     f"{_ACCEL}.prepare_model": "distributed",
     f"{_ACCEL}.no_sync": "distributed",
     "accelerate.data_loader.BatchSamplerShard.__iter__": "distributed",
+    "accelerate.data_loader.SeedableRandomSampler.set_epoch": "distributed",
     "accelerate.utils.operations.gather": "distributed",
     "transformers.trainer_utils.set_seed": "distributed",
     # eval: eval loop, metrics, splits
