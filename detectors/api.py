@@ -85,6 +85,7 @@ FACTS = {
     "precision": "config.train.precision",  # "fp32" | "bf16" | "fp16"
     "pad_side": "config.data.pad_side",  # "left" | "right": where collate puts the pads
     "accum": "config.train.accum",  # micro-batches per optimizer step
+    "device": "config.train.device",  # where the run trains ("cpu", "cuda"), as torch.device takes it
 }
 
 

@@ -65,7 +65,7 @@ def ignore_value(labels: torch.Tensor, attention_mask: torch.Tensor) -> int | No
 # ---------------------------------------------------------------------------------------------- the run
 def device(ctx) -> torch.device:
     """The run's training device."""
-    return torch.device(ctx.config.train.device)
+    return torch.device(ctx.fact("device"))
 
 
 def device_type(ctx) -> str:

@@ -98,6 +98,10 @@ class HFRun:
     def accum(self) -> int:
         return self.config.accum
 
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
 
 _NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)
 

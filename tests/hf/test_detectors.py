@@ -6,17 +6,29 @@ its own seam table) or says once, with its reason, that it does not apply; none 
 
 from __future__ import annotations
 
+import pytest
+
+import targets
 from detectors.api import all_detectors, resolve_ids
 from harness.case import Case, execute
+from harness.launch import RankPool
 
 # detectors that read only what any target offers (facts, batches, records, the model's parameters)
 GENERAL = {"batch_special_ids", "loss_vs_floor", "padding_waste", "graph_retention", "init_envelope",
            "rank_agreement", "loss_curve", "crash_triage"}
 
 
-def test_the_suite_on_a_clean_hf_case_is_silent_and_says_what_does_not_apply():
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, preload=targets.get("hf").preload) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "ddp"])
+def test_the_suite_on_a_clean_hf_case_is_silent_and_says_what_does_not_apply(recipe, request):
     ids = tuple(i for i in resolve_ids(["all"]) if not all_detectors()[i].exclusive)
-    record = execute(Case("fp32", 0, (), ids, target="hf"))
+    ranks = request.getfixturevalue("pool") if recipe == "ddp" else None
+    record = execute(Case(recipe, 0, (), ids, target="hf"), None, ranks)
     assert record["crash"] is None
     assert record["detector_errors"] == {}
     assert record["findings"] == [], [f"{f['detector']}: {f['message']}" for f in record["findings"]]
