@@ -7,7 +7,8 @@ A manifest of an HF fault names a scenario and a variant of the ``fp32`` recipe 
   documents whose EOS is one, ``eos_target_fraction``), the decayed-parameter count, the share of
   training forwards that replay an earlier forward's exact batch (``repeated_batches``: clean 0, batches are
   drawn without replacement and reshuffled every epoch), the share of evaluated documents that are also
-  training documents (``val_train_overlap``: clean 0, the split is by document hash) and how far a second
+  training documents (``val_train_overlap``: clean 0, the split is by document hash), the share of parameter
+  tensors training left unchanged (``frozen_param_fraction``: clean 0) and how far a second
   evaluation of the same model lands from the first (``eval_repeat_gap``: clean 0, evaluation is deterministic);
 - ``generate``: ``train``, then two probes of the trained model: greedy ``generate`` (DynamicCache) on
   left-padded prompts against a full forward of the same sequences (``cached_logit_gap``), each prompt
@@ -88,6 +89,7 @@ def _train_phase(recipe: Recipe, seed: int, workdir: Path, out: dict, rank: int 
 
     try:
         run = build_run(recipe, seed, workdir, rank)
+        initial = [p.detach().clone() for p in run.model.parameters()]
         run.model.register_forward_pre_hook(on_forward, with_kwargs=True)
         try:
             train(run)
@@ -96,6 +98,7 @@ def _train_phase(recipe: Recipe, seed: int, workdir: Path, out: dict, rank: int 
         out["extra"]["target_fraction"] = _target_fraction(run)
         out["extra"]["eos_target_fraction"] = _eos_target_fraction(run)
         out["extra"]["decayed_params"] = _decayed_params(run)
+        out["extra"]["frozen_param_fraction"] = _frozen_param_fraction(run, initial)
         out["extra"]["repeated_batches"] = sum(b in seen[:i] for i, b in enumerate(seen)) / max(len(seen), 1)
         out["extra"]["val_train_overlap"] = _val_train_overlap(run)
         out["val_loss"] = evaluate(run)
@@ -110,6 +113,13 @@ def _target_fraction(run: HFRun) -> float:
     """Labels that are targets (not -100) over real tokens, on a collated batch of 8 training documents."""
     batch = run.trainer.data_collator([run.trainer.train_dataset[i] for i in range(8)])
     return float((batch["labels"] != -100).sum() / batch["attention_mask"].sum())
+
+
+def _frozen_param_fraction(run: HFRun, initial: list[torch.Tensor]) -> float:
+    """Share of parameter tensors whose every value is what it was before training: clean 0 (AdamW moves every
+    tensor that gets a gradient or a decay; an update lost to rounding leaves a tensor where it started)."""
+    frozen = [torch.equal(p.detach(), p0) for p, p0 in zip(run.model.parameters(), initial, strict=True)]
+    return sum(frozen) / max(len(frozen), 1)
 
 
 def _val_train_overlap(run: HFRun) -> float:

@@ -1,0 +1,49 @@
+"""HF faults in the `precision` subsystem: which dtype the weights live in, and autocast.
+
+What cannot exist on this CPU stack (so is not registered): anything needing a GradScaler (accelerate 1.15 runs
+``fp16=True`` on CPU as plain fp32, with neither autocast nor a scaler: no missing unscale before clipping, no
+scaler state to lose), and the low-precision islands CPU bf16 autocast already keeps in fp32 here (RMSNorm's
+input is fp32 after the residual adds, cross-entropy on bf16 logits runs in fp32).
+"""
+
+import torch
+from transformers.trainer import ParallelMode, logger
+
+from faults.registry import Manifest, fault
+
+_TRAINER = "transformers.trainer.Trainer"
+
+
+@fault(
+    "hf_bf16_weights_no_master_copy", target="hf", seam=f"{_TRAINER}._move_model_to_device",
+    title="bf16=True casts the weights themselves to bf16: AdamW updates smaller than bf16's spacing are lost",
+    subsystem="precision", also_acceptable=("optimizer",), trigger="amp-only", symptoms=("stall", "silent-quality"),
+    explanation="Placing the model on its device, Trainer also casts it to bfloat16 when args.bf16 is set ('to save "
+    "memory'). bf16 mixed precision means bf16 compute under autocast with fp32 master weights; with the weights "
+    "themselves in bf16 there is no master copy, AdamW's state is created in bf16 too, and every update is rounded "
+    "to the weight's bf16 spacing (2^-7 just above 1.0, 2^-8 just below). The RMSNorm gains start at 1.0, where an "
+    "update of lr ~ 3e-3 is below half a spacing: a gain that wants to grow never moves, and small updates elsewhere "
+    "round away. Nothing crashes and the loss still falls, a little more slowly.",
+    fix="Leave the parameters in float32 (model.to(device) only) and let autocast run the matmuls in bf16; a model "
+    "that must be stored in bf16 needs fp32 master weights in the optimizer (or stochastic rounding).",
+    references=(
+        "areal-project/AReaL#1292: '[BUG] FSDP engine: torch.optim.AdamW inherits bf16 dtype from "
+        "model.parameters(), causing late-stage convergence to plateau ~3x higher than DS-Z3 / Megatron' "
+        "(fixed by #1369 'maintain fp32 master weights for AdamW')",
+        "meta-pytorch/torchtune#2254: 'Very bad convergence with bf16'",
+        "NVIDIA/apex#1728: 'FusedAdam doesn't allocate master weights for bfloat16'",
+    ),
+    manifest=Manifest(check="extra_at_least", scenario="train", steps=16, variant={"precision": "bf16"},
+                      params={"key": "frozen_param_fraction", "faulty_min": 0.04, "clean_max": 0.0}),
+)
+def move_model_to_device_bf16(self, model, device):
+    """Casts the model's parameters to bf16 along with the move when bf16 is on: no fp32 master weights."""
+    if getattr(model, "hf_device_map", None) is not None:
+        logger.warning(
+            "The model is already on multiple devices. Skipping the move to device specified in `args`."
+        )
+        return
+    model = model.to(device, dtype=torch.bfloat16 if self.args.bf16 else None)
+    # Moving a model to an XLA device disconnects the tied weights, so we have to retie them.
+    if self.args.parallel_mode == ParallelMode.TPU and hasattr(model, "tie_weights"):
+        model.tie_weights()
