@@ -6,9 +6,10 @@ fires) and collects what they ``report``. Honesty rules (tested in tests/detecto
 - a detector never receives the fault id or any fault metadata: the context holds only the run;
 - detector modules import neither ``faults`` nor ``model``: they reach the run's code only through
   the context (``ctx.run``'s objects, ``ctx.seam(name)`` for the run's live function of a seam);
-- they use no introspection that reaches the harness or the injection (frames, gc, linecache, source
-  of seams, the environment, caches of seam functions): what a probe may know of the code (which seam
-  a traceback line lies in) the context answers (``seam_at``, ``raising_seam``);
+- they use no introspection that reaches the harness or the injection (stack frames, the garbage
+  collector, the line cache, source of seams, the environment, caches of seam functions): what a probe
+  may know of the code (which seam a traceback line lies in) the context answers (``seam_at``,
+  ``raising_seam``);
 - on every clean run variant every detector must stay silent.
 
 A detector whose assumptions do not hold for a run (a component, a config field or a seam it probes is
