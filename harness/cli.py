@@ -190,7 +190,7 @@ def _show(args) -> int:
 
 def _run(args) -> int:
     from faults.registry import get_fault
-    from harness.faulty_run import compare, describe
+    from harness.faulty_run import compare
 
     torch.set_num_threads(1)
     _load_plugins(args)
@@ -218,19 +218,26 @@ def _run(args) -> int:
 
         plot_runs({"clean": clean, "faulty": faulty}, args.plot, title=", ".join(args.fault))
         report["plot"] = args.plot
-    if args.json:
+    _print_report(report, args.json)
+    return 0
+
+
+def _print_report(report: dict, as_json: bool) -> None:
+    """A clean-vs-faulty report: readable on stdout, or readable on stderr and its JSON object on stdout."""
+    from harness.faulty_run import describe
+
+    if as_json:
         print(describe(report), file=sys.stderr)
         print(json.dumps(report, default=str))
     else:
         print(describe(report))
-    return 0
 
 
 def _run_target(args, target: str) -> int:
     """Clean vs faulty on another target than the reference: the fault's own proof scenario and variant (its
     manifest), ``--steps``/``--seed`` applied; the reference's config flags do not apply there."""
     from faults.registry import get_fault
-    from harness.faulty_run import compare_target, describe
+    from harness.faulty_run import compare_target
 
     ignored = [flag for flag, value in (("--precision", args.precision), ("--pad-side", args.pad_side),
                                         ("--accum", args.accum), ("--plot", args.plot)) if value]
@@ -241,11 +248,7 @@ def _run_target(args, target: str) -> int:
     steps = args.steps or manifest.steps
     _, _, report = compare_target(target, args.fault, manifest.scenario, manifest.variant, steps, args.seed,
                                   tuple(args.plugin or ()))
-    if args.json:
-        print(describe(report), file=sys.stderr)
-        print(json.dumps(report, default=str))
-    else:
-        print(describe(report))
+    _print_report(report, args.json)
     return 0
 
 
