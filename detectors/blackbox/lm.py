@@ -1,0 +1,137 @@
+"""The user's model seen only as a causal LM: logits for token ids, whatever its call convention.
+
+``CausalLM.wrap(model)`` reads the names ``forward`` accepts and makes one trial call on a 1x2 batch to
+learn how to get per-position logits out of it:
+- HF style: ``model(input_ids=..., attention_mask=..., position_ids=..., past_key_values=..., use_cache=...)``
+  returning an object with ``.logits``;
+- nanoGPT style: ``model(idx)`` returning ``(logits, loss)`` (or only the last position's logits unless
+  ``targets`` are given: then the trial passes them and the loss is ignored);
+- a plain ``model(idx) -> logits`` tensor.
+Nothing here knows any model's attribute names: only the call signature and what the call returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _accepted(model: torch.nn.Module) -> frozenset[str]:
+    """The keyword names ``model.forward`` declares (``**kwargs`` does not count: it promises nothing)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def _first_logits(out, batch: int, length: int) -> torch.Tensor | None:
+    """The (B, T', V) floating tensor in a forward's return value: ``.logits``, the first such tensor of a
+    tuple/list, or the tensor itself; None when there is none."""
+    candidates = [getattr(out, "logits", None)]
+    candidates += list(out) if isinstance(out, (tuple, list)) else [out]
+    for c in candidates:
+        if isinstance(c, torch.Tensor) and c.is_floating_point() and c.dim() == 3 and c.shape[0] == batch:
+            if c.shape[1] in (length, 1):
+                return c
+    return None
+
+
+@contextlib.contextmanager
+def quiet(model: torch.nn.Module):
+    """No grad, eval mode, every torch RNG (CPU and the model's device) restored: a side-effect-free call."""
+    was_training = model.training
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+
+
+@dataclass
+class CausalLM:
+    """The user's model as a causal LM. ``by_name``: ids go in as ``input_ids=`` (HF) rather than positionally;
+    ``pass_targets``: the model returns every position's logits only when given targets (nanoGPT)."""
+
+    model: torch.nn.Module = field(repr=False)
+    takes_attention_mask: bool = False
+    takes_position_ids: bool = False
+    takes_cache: bool = False
+    by_name: bool = False
+    pass_targets: bool = False
+
+    @classmethod
+    def wrap(cls, model: torch.nn.Module) -> CausalLM:
+        """Learn ``model``'s call convention from its signature and one trial call on a 1x2 batch of ids 0, 1.
+        Raises ValueError (one line) when no call gives per-position logits."""
+        names = _accepted(model)
+        lm = cls(model, takes_attention_mask="attention_mask" in names, takes_position_ids="position_ids" in names,
+                 takes_cache={"past_key_values", "use_cache"} <= names, by_name="input_ids" in names)
+        ids = torch.tensor([[0, 1]], device=lm.device)
+        with quiet(model):
+            logits = _first_logits(lm._call(ids), 1, 2)
+            if logits is not None and logits.shape[1] != 2 and "targets" in names:
+                lm.pass_targets = True
+                logits = _first_logits(lm._call(ids), 1, 2)
+        if logits is None or logits.shape[1] != 2:
+            raise ValueError(f"{type(model).__name__} gives no (batch, time, vocab) logits for a (1, 2) batch of ids")
+        return lm
+
+    @property
+    def device(self) -> torch.device:
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
+    def _call(self, input_ids: torch.Tensor, **kwargs):
+        """One forward in the model's convention; ``kwargs`` only holds names the model declares."""
+        if self.pass_targets:
+            kwargs["targets"] = input_ids
+        if self.by_name:
+            return self.model(input_ids=input_ids, **kwargs)
+        return self.model(input_ids, **kwargs)
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, T) -> float logits (B, T, V). ``attention_mask`` / ``position_ids`` (B, T) are passed
+        only when given; a model that does not take them raises ValueError rather than ignoring them."""
+        kwargs = self._extras(attention_mask, position_ids)
+        out = _first_logits(self._call(input_ids, **kwargs), *input_ids.shape)
+        return out.float()
+
+    def _extras(self, attention_mask, position_ids) -> dict:
+        extras = {"attention_mask": (attention_mask, self.takes_attention_mask),
+                  "position_ids": (position_ids, self.takes_position_ids)}
+        kwargs = {}
+        for name, (value, taken) in extras.items():
+            if value is None:
+                continue
+            if not taken:
+                raise ValueError(f"the model takes no {name}")
+            kwargs[name] = value
+        if self.takes_cache:
+            kwargs["use_cache"] = False  # a full forward: no cache built on the side
+        return kwargs
+
+    def decode_with_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                          ) -> torch.Tensor | None:
+        """input_ids (B, T) fed one token at a time through the model's own KV cache (``use_cache=True``,
+        ``past_key_values`` handed back each step) -> float logits (B, T, V); None when the model takes no cache.
+        Positions are left to the model (as its own decoding does): only the growing mask is passed."""
+        if not self.takes_cache:
+            return None
+        past, steps = None, []
+        for t in range(input_ids.shape[1]):
+            kwargs = {"use_cache": True, "past_key_values": past}
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask[:, : t + 1]
+            out = self._call(input_ids[:, t: t + 1], **kwargs)
+            past = getattr(out, "past_key_values", None)
+            if past is None:
+                return None  # it accepted the names but hands no cache back
+            steps.append(_first_logits(out, input_ids.shape[0], 1).float())
+        return torch.cat(steps, dim=1)
