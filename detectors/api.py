@@ -70,10 +70,12 @@ class Finding:
     message: str
     evidence: dict = field(default_factory=dict)
     confidence: float = 0.5  # 0..1: how sure the detector is of the location, used to rank findings
+    where: str | None = None  # black-box: the user's name for the place (module path, "optimizer", "file.py:fn")
 
     def to_dict(self) -> dict:
         return {"detector": self.detector, "step": self.step, "subsystem": self.subsystem, "seam": self.seam,
-                "message": self.message, "evidence": self.evidence, "confidence": self.confidence}
+                "message": self.message, "evidence": self.evidence, "confidence": self.confidence,
+                "where": self.where}
 
 
 # General facts about a run that a detector may use on any target. A run offers each as its own attribute
@@ -251,6 +253,9 @@ class Detector:
     baseline: ClassVar[bool] = False  # scored alongside the suite, not part of it
     exclusive: ClassVar[bool] = False  # changes the run itself (e.g. anomaly mode): the bench runs it in its own case
     description: ClassVar[str] = ""
+    # "white-box": hooks of the harness's Suite on a target's run; "black-box": hooks of faultbench.watch on
+    # any loop (detectors.blackbox.api), never run by the Suite
+    track: ClassVar[str] = "white-box"
     # what the detector assumes of a run, checked before its first hook (see ``require``): dotted attribute
     # paths of ``ctx.run`` ("corpus.train") and of ``ctx.config`` ("train.precision"), and the seams it probes
     needs_run: ClassVar[tuple[str, ...]] = ()
@@ -331,6 +336,7 @@ BUILTIN_MODULES = (
     "detectors.data", "detectors.collate", "detectors.mask", "detectors.position", "detectors.model",
     "detectors.loss", "detectors.optimizer", "detectors.precision", "detectors.checkpoint",
     "detectors.distributed", "detectors.eval", "detectors.resources", "detectors.baselines",
+    "detectors.blackbox.monitors",
 )
 _loaded = False
 
@@ -361,9 +367,14 @@ def all_detectors() -> dict[str, type[Detector]]:
     return DETECTORS
 
 
+def white_box_ids() -> list[str]:
+    """Every registered detector the harness's Suite can run (the black-box track runs under faultbench.watch)."""
+    return [d for d, cls in all_detectors().items() if cls.track == "white-box"]
+
+
 def suite_ids() -> list[str]:
-    """The detectors of the default suite (every registered one but the baselines)."""
-    return [d for d, cls in all_detectors().items() if not cls.baseline]
+    """The detectors of the default suite (every white-box one but the baselines)."""
+    return [d for d in white_box_ids() if not all_detectors()[d].baseline]
 
 
 def baseline_ids() -> list[str]:
@@ -371,12 +382,13 @@ def baseline_ids() -> list[str]:
 
 
 def resolve_ids(names) -> list[str]:
-    """Expand ``all`` / ``suite`` / ``baselines`` and check every id ("did you mean" on a typo)."""
+    """Expand ``all`` / ``suite`` / ``baselines`` (white-box detectors only) and check every id ("did you mean"
+    on a typo)."""
     known = all_detectors()
     out: list[str] = []
     for name in names:
         if name in ("all", "suite"):
-            out += suite_ids() if name == "suite" else list(known)
+            out += suite_ids() if name == "suite" else white_box_ids()
         elif name == "baselines":
             out += baseline_ids()
         elif name in known:

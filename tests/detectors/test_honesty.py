@@ -29,7 +29,7 @@ from tests.detectors.reach import reachable_strings
 
 ROOT = Path(__file__).resolve().parents[2]
 # our detectors and the peer tools' detector adapters (the TrainCheck runner is not a detector: it runs cases)
-SOURCES = sorted((ROOT / "detectors").glob("*.py")) + [ROOT / "peers" / f
+SOURCES = sorted((ROOT / "detectors").glob("**/*.py")) + [ROOT / "peers" / f
                                                         for f in ("torcheck_peer.py", "smdebug_peer.py")]
 
 # ------------------------------------------------------------------------------------------ the static check

@@ -1,0 +1,163 @@
+"""The black-box track's detector API: what a detector sees of ANY causal-LM training loop.
+
+``faultbench.watch`` (faultbench/watch.py) fills a ``WatchContext`` from module, optimizer and gradient
+hooks and fires the hooks of ``BlackBoxDetector`` below. A black-box detector sees only that context: the
+model called as a causal LM, the batches, the loop's loss, gradients, the optimizer's param groups, the
+scheduler's reported LR, the scaler, ranks and the golden envelope the USER recorded. No seam table, no
+attribute names of any stack, no formula of ours. It reports the user's name for the place (``where``: a
+module path such as "transformer.h.0.attn", "optimizer", "scheduler", "scaler", "batch", "loss", "eval").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from detectors.api import SUBSYSTEMS, Detector, Finding, _jsonable
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step as the watch measured it.
+
+    loss: mean of the step's training-forward losses (or of ``Watch.observe``), None when none was seen;
+    lrs: the lr of each param group as the optimizer used it; grad_norm: L2 norm of the gradients the
+    optimizer stepped with; backward_norm: L2 norm of the gradients as the last backward of the step left
+    them (before any clipping or unscaling; scaled when a scaler scales the loss); scale: the scaler's scale
+    at the step (None without an enabled scaler); skipped: steps the scaler skipped since the previous record
+    (its scale fell); micro_batches: training forwards since the previous step."""
+
+    step: int
+    loss: float | None
+    lrs: list[float]
+    grad_norm: float | None
+    backward_norm: float | None
+    scale: float | None
+    skipped: int
+    micro_batches: int
+
+
+class WatchContext:
+    """What a black-box detector may see. ``step``: optimizer steps completed; ``last_batch``: the most recent
+    training batch ({"input_ids", and "attention_mask", "labels", "position_ids" when the loop passed them});
+    ``history``: one StepRecord per optimizer step; ``stale_grads``: filled by the watch at the first backward
+    after each optimizer step, {"params": how many of the optimizer's parameters still held a non-zero
+    gradient, "of": how many it has, "first": the first such parameter's name} or None when all were clear."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, scheduler=None, scaler=None, tokenizer=None,
+                 golden: dict | None = None, rank: int = 0, world_size: int = 1):
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.tokenizer, self.golden, self.rank, self.world_size = tokenizer, golden, rank, world_size
+        self.step = 0
+        self.last_batch: dict | None = None
+        self.history: list[StepRecord] = []
+        self.stale_grads: dict | None = None
+        self.probing = False  # the watch ignores the model's calls made inside ``probe``
+        self._names: dict[int, str] | None = None
+        self._lm = None
+
+    @property
+    def lm(self):
+        """The model as a ``CausalLM`` (detectors.blackbox.lm), built on first use (one trial call, as a probe)."""
+        if self._lm is None:
+            from detectors.blackbox.lm import CausalLM
+
+            with self.probe():
+                self._lm = CausalLM.wrap(self.model)
+        return self._lm
+
+    @property
+    def scaler_enabled(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    @contextlib.contextmanager
+    def probe(self):
+        """A side-effect-free probe: no grad, the model in eval mode, every global RNG state restored after, and
+        the watch's hooks quiet, so the loop continues exactly as without the probe."""
+        was_training, was_probing = self.model.training, self.probing
+        states = (random.getstate(), np.random.get_state())
+        self.probing = True
+        try:
+            with torch.random.fork_rng(devices=self._cuda_devices()), torch.no_grad():
+                self.model.eval()
+                yield self.model
+        finally:
+            self.model.train(was_training)
+            self.probing = was_probing
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+
+    def _cuda_devices(self) -> list:
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return [device] if device.type == "cuda" else []
+
+    def module_path(self, module: torch.nn.Module) -> str:
+        """``module``'s name in ``model.named_modules()`` ("transformer.h.0.attn"; "" for the model itself)."""
+        if self._names is None:
+            self._names = {id(m): name for name, m in self.model.named_modules()}
+        return self._names.get(id(module), type(module).__name__)
+
+    def param_owner(self, param: torch.Tensor) -> str:
+        """The module path owning ``param`` ("transformer.h.0.mlp.c_fc"), or its full name where no module does."""
+        for name, p in self.model.named_parameters():
+            if p is param:
+                return name.rpartition(".")[0] or name
+        return "?"
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """Every parameter of the optimizer's groups, once."""
+        seen: dict[int, torch.Tensor] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+class BlackBoxDetector(Detector):
+    """A detector of the black-box track: hooks fired by ``faultbench.watch``, findings that name the user's code.
+
+    Hooks (all optional):
+      on_start(ctx)                         the watch is entered
+      on_forward(ctx, batch, logits, loss)  each training forward (grad enabled, model in train mode)
+      on_before_step(ctx)                   optimizer step pre-hook: gradients as the optimizer sees them
+      on_after_step(ctx, record)            optimizer step post-hook, with the step's StepRecord
+      on_eval_forward(ctx, batch, logits)   a forward without grad (evaluation, generation)
+      on_end(ctx)                           the watch exited normally
+      on_crash(ctx, crash)                  the with-block raised: {type, message, frames: [(file, line, func)]}
+    Raise ``NotApplicable`` (detectors.api) from a hook when the loop breaks the detector's assumption: the
+    watch says so once in its report and calls the detector no more.
+    """
+
+    track: ClassVar[str] = "black-box"
+
+    def check_applicable(self, ctx: Any) -> None:
+        """Black-box detectors declare no run paths: a hook raises ``NotApplicable`` where an assumption fails."""
+
+    def report(self, ctx: WatchContext, subsystem: str, where: str | None, message: str,
+               evidence: dict | None = None, confidence: float = 0.7, step: int | None = None) -> None:
+        if subsystem not in SUBSYSTEMS:
+            raise ValueError(f"{self.id}: unknown subsystem {subsystem!r}; expected one of {SUBSYSTEMS}")
+        self.findings.append(Finding(self.id, ctx.step if step is None else step, subsystem, None, message,
+                                     _jsonable(evidence or {}), confidence, where))
+
+    # the hooks: no-ops here; the watch calls only the ones a detector overrides
+    def on_start(self, ctx: WatchContext) -> None: ...
+    def on_forward(self, ctx: WatchContext, batch: dict, logits: torch.Tensor | None, loss) -> None: ...
+    def on_before_step(self, ctx: WatchContext) -> None: ...
+    def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None: ...
+    def on_eval_forward(self, ctx: WatchContext, batch: dict, logits: torch.Tensor | None) -> None: ...
+    def on_end(self, ctx: WatchContext) -> None: ...  # type: ignore[override]
+    def on_crash(self, ctx: WatchContext, crash: dict) -> None: ...
+
+
+def black_box_ids() -> list[str]:
+    """Every registered black-box detector (the default of ``faultbench.watch``)."""
+    from detectors.api import all_detectors
+
+    return [d for d, cls in all_detectors().items() if cls.track == "black-box" and not cls.baseline]
+

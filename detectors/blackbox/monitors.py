@@ -1,0 +1,355 @@
+"""Monitors of the black-box track: passive checks on what ``faultbench.watch`` sees of any training loop.
+
+Each names the user's object: "optimizer", "scheduler", "scaler", "batch", "loss", "eval", or a module path
+from the model's ``named_modules``. None assumes a formula of ours: the LR monitor reads only the shape of the
+LR the optimizer really used (a nanoGPT (s+1)/(W+1) warmup, a Trainer cosine or a constant LR are all fine),
+the gradient monitors compare gradients with themselves at two moments of the same step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from detectors.api import NotApplicable, register
+from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+
+IGNORE_INDEX = -100  # the label value torch's cross_entropy (and every HF loss) ignores by default
+
+
+@register
+class LRShape(BlackBoxDetector):
+    """The LR the optimizer stepped with: a warmup that never ends, and an optimizer that does not follow its
+    scheduler. Rules (no schedule formula): the LR rose at EVERY one of ``MIN_STEPS`` or more steps and was still
+    rising when the run ended (no warmup of a real schedule outlasts a whole run); with a scheduler, the LR the
+    optimizer used differs from the one the scheduler reports on ``MIN_MISMATCH`` steps."""
+
+    id = "bb_lr_shape"
+    family = "optimizer"
+    description = "LR as the optimizer used it: endless warmup (rising at every step of the run), scheduler ignored"
+    MIN_STEPS = 20
+    MIN_MISMATCH = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mismatch: list[tuple[int, float, float]] = []
+
+    def on_before_step(self, ctx: WatchContext) -> None:
+        if ctx.scheduler is None or not hasattr(ctx.scheduler, "get_last_lr"):
+            return
+        used, reported = float(ctx.optimizer.param_groups[0]["lr"]), float(ctx.scheduler.get_last_lr()[0])
+        if not math.isclose(used, reported, rel_tol=1e-6, abs_tol=1e-12):
+            self._mismatch.append((ctx.step + 1, used, reported))
+        if len(self._mismatch) >= self.MIN_MISMATCH:
+            self.report_once("ignored", ctx, "optimizer", "scheduler",
+                             f"the optimizer steps with lr {used:.3g} while the scheduler reports {reported:.3g}: the "
+                             "schedule does not reach the optimizer (it is stepped on another optimizer, or the lr is "
+                             "overwritten after it)", {"steps": self._mismatch[:5]}, confidence=0.8)
+
+    def on_end(self, ctx: WatchContext) -> None:
+        lrs = [r.lrs[0] for r in ctx.history if r.lrs]
+        if len(lrs) < self.MIN_STEPS:
+            return
+        if all(b > a for a, b in zip(lrs, lrs[1:], strict=False)):
+            where = "scheduler" if ctx.scheduler is not None else "optimizer"
+            self.report(ctx, "optimizer", where,
+                        f"the LR rose at every one of the run's {len(lrs)} steps ({lrs[0]:.3g} -> {lrs[-1]:.3g}) and "
+                        "was still rising at the end: the warmup never ends (its length is in other units than the "
+                        "steps, or longer than the run), so the peak LR is never reached",
+                        {"first_lr": lrs[0], "last_lr": lrs[-1], "steps": len(lrs)}, confidence=0.8)
+
+
+@register
+class GradientsCleared(BlackBoxDetector):
+    """Gradients are cleared between optimizer steps: at the first backward after a step no parameter of the
+    optimizer may still hold a non-zero ``.grad`` (the watch checks it when that backward's first gradient
+    arrives, so zero_grad anywhere before the backward is fine). Reported when it holds on ``MIN_STEPS`` steps."""
+
+    id = "bb_grads_cleared"
+    family = "optimizer"
+    description = "stale gradients at the first backward after a step (zero_grad missing)"
+    MIN_STEPS = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stale: list[dict] = []
+
+    def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        # ctx.stale_grads describes the backward of the step just taken (the one after the previous step)
+        if record.step > 1 and ctx.stale_grads:
+            self._stale.append({"step": record.step, **ctx.stale_grads})
+        if len(self._stale) >= self.MIN_STEPS:
+            first = self._stale[0]
+            self.report_once("stale", ctx, "optimizer", "optimizer",
+                             f"gradients of the previous step were still in .grad when the next backward began "
+                             f"({first['params']} of {first['of']} parameters, norm {first['norm']:.3g}, at step "
+                             f"{first['step']}): zero_grad is not called between optimizer steps, so every step adds "
+                             "the gradients of all earlier ones", {"steps": self._stale[:5]}, confidence=0.85)
+
+
+@register
+class ClipOnScaledGrads(BlackBoxDetector):
+    """With an enabled loss scaler, clipping must act on unscaled gradients. The optimizer steps with gradients of
+    norm ``grad_norm``; the backward left them with norm ``backward_norm`` = scale x the true norm. Clipping after
+    ``unscale_`` gives grad_norm <= true norm with a ratio of max_norm / true norm; clipping the SCALED gradients
+    gives max_norm / (scale x true norm): ``scale`` times smaller. Reported when grad_norm / true norm is below
+    1 / sqrt(scale) on ``MIN_STEPS`` steps (a clean run would need a true norm sqrt(scale) times max_norm)."""
+
+    id = "bb_clip_scaled"
+    family = "precision"
+    description = "gradients clipped while still scaled by the GradScaler (clip before unscale_)"
+    MIN_SCALE = 256.0
+    MIN_STEPS = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._hits: list[dict] = []
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if not ctx.scaler_enabled:
+            raise NotApplicable("no enabled loss scaler (GradScaler) was given")
+
+    def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        if not (record.scale and record.scale >= self.MIN_SCALE and record.grad_norm and record.backward_norm):
+            return
+        true_norm = record.backward_norm / record.scale
+        ratio = record.grad_norm / true_norm
+        if ratio < 1 / math.sqrt(record.scale):
+            self._hits.append({"step": record.step, "scale": record.scale, "norm_stepped": record.grad_norm,
+                               "unscaled_norm": true_norm, "ratio": ratio})
+        if len(self._hits) >= self.MIN_STEPS:
+            hit = self._hits[0]
+            self.report_once("clip", ctx, "precision", "scaler",
+                             f"the optimizer stepped with gradients of norm {hit['norm_stepped']:.3g} while their "
+                             f"unscaled norm was {hit['unscaled_norm']:.3g} (ratio {hit['ratio']:.2g}, scale "
+                             f"{hit['scale']:g}): they were clipped while still scaled, before scaler.unscale_, so "
+                             "every update is ~scale times too small", {"steps": self._hits[:5]}, confidence=0.85)
+
+
+@register
+class ParamsOutsideOptimizer(BlackBoxDetector):
+    """Every trainable parameter of the model is in one of the optimizer's param groups."""
+
+    id = "bb_params_in_optimizer"
+    family = "optimizer"
+    description = "trainable parameters that no optimizer param group holds"
+
+    def on_start(self, ctx: WatchContext) -> None:
+        held = {id(p) for p in ctx.optimizer_params()}
+        missing = [name for name, p in ctx.model.named_parameters() if p.requires_grad and id(p) not in held]
+        if missing:
+            owner = missing[0].rpartition(".")[0] or missing[0]
+            self.report(ctx, "optimizer", owner,
+                        f"{len(missing)} trainable parameters are in no param group of the optimizer (first: "
+                        f"{missing[0]}): they get gradients but never change", {"missing": missing[:10]},
+                        confidence=0.8)
+
+
+@register
+class GradientsPresent(BlackBoxDetector):
+    """Every parameter the optimizer holds receives a gradient: one whose ``.grad`` is None at ``MIN_STEPS``
+    consecutive steps while others have theirs is cut off from the loss (a detach, an unused branch)."""
+
+    id = "bb_grads_present"
+    family = "model"
+    description = "optimizer parameters that never receive a gradient (cut off from the loss)"
+    MIN_STEPS = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._missing_since: dict[int, int] = {}
+
+    def on_before_step(self, ctx: WatchContext) -> None:
+        params = [p for p in ctx.optimizer_params() if p.requires_grad]
+        absent = [p for p in params if p.grad is None]
+        if len(absent) == len(params):
+            return  # no gradient at all: nothing to compare with (a loop stepping before its first backward)
+        self._missing_since = {id(p): self._missing_since.get(id(p), 0) + 1 for p in absent}
+        cut = [p for p in absent if self._missing_since[id(p)] >= self.MIN_STEPS]
+        if cut:
+            where = ctx.param_owner(cut[0])
+            self.report_once("cut", ctx, "model", where,
+                             f"{len(cut)} parameters of the optimizer got no gradient in {self.MIN_STEPS} steps in a "
+                             f"row (first in {where}): they are cut off from the loss", {"params": len(cut)},
+                             confidence=0.6)
+
+
+@register
+class ScalerSkips(BlackBoxDetector):
+    """The loss scaler skips a step when gradients overflow; most steps skipped means the run does not train."""
+
+    id = "bb_scaler_skips"
+    family = "precision"
+    description = "loss scaler skipping most steps (overflowing gradients)"
+    MIN_ATTEMPTS = 10
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if not ctx.scaler_enabled:
+            raise NotApplicable("no enabled loss scaler (GradScaler) was given")
+
+    def on_end(self, ctx: WatchContext) -> None:
+        skipped = sum(r.skipped for r in ctx.history)
+        attempts = skipped + len(ctx.history)
+        if attempts >= self.MIN_ATTEMPTS and skipped > attempts / 2:
+            self.report(ctx, "precision", "scaler",
+                        f"the loss scaler skipped {skipped} of {attempts} optimizer steps (its scale fell that often): "
+                        "the gradients overflow in the scaled loss", {"skipped": skipped, "attempts": attempts},
+                        confidence=0.7)
+
+
+@register
+class FirstNonFinite(BlackBoxDetector):
+    """The first module (in execution order) whose output is non-finite, found by replaying the batch of the
+    first training forward with a non-finite loss or logits under forward hooks on every submodule."""
+
+    id = "bb_first_nonfinite"
+    family = "model"
+    description = "first module whose output turns non-finite, when the loss does"
+
+    def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
+        if self.findings or not _non_finite(loss if loss is not None else logits):
+            return
+        if "input_ids" not in batch:
+            raise NotApplicable("the model's forward takes no token ids the watch could read")
+        first = _first_non_finite_module(ctx, batch)
+        if first is None:
+            self.report(ctx, "loss", "loss", "the loss is non-finite while every module's output is finite: the loss "
+                        "computation itself overflows", {"step": ctx.step}, confidence=0.6)
+            return
+        params_bad = any(not torch.isfinite(p).all() for p in first[1].parameters(recurse=False))
+        self.report(ctx, "optimizer" if params_bad else "model", first[0],
+                    f"the first non-finite output comes from {first[0]}"
+                    + (" whose parameters are already non-finite (an earlier update broke them)" if params_bad
+                       else ""), {"module": first[0], "params_non_finite": params_bad}, confidence=0.6)
+
+
+def _non_finite(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+
+
+def _first_non_finite_module(ctx: WatchContext, batch: dict) -> tuple[str, torch.nn.Module] | None:
+    """(path, module) of the first submodule whose output is non-finite on ``batch``, or None."""
+    order: list[torch.nn.Module] = []
+
+    def hook(module, args, output):
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        if not order and any(_non_finite(o) for o in outs):
+            order.append(module)
+
+    handles = [m.register_forward_hook(hook) for name, m in ctx.model.named_modules() if name]
+    try:
+        ctx.lm.logits(batch["input_ids"], batch.get("attention_mask"))
+    finally:
+        for h in handles:
+            h.remove()
+    return (ctx.module_path(order[0]), order[0]) if order else None
+
+
+def _dropout_active(model: torch.nn.Module) -> list[str]:
+    """Paths of dropout modules with p > 0 (what train mode changes in a forward)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+
+
+@register
+class EvalMode(BlackBoxDetector):
+    """A forward without grad (evaluation, generation) runs with the model in eval mode: in train mode its
+    dropout layers drop activations and the metrics are noisy and pessimistic."""
+
+    id = "bb_eval_mode"
+    family = "eval"
+    description = "evaluation forwards (no grad) with the model in train mode"
+
+    def on_eval_forward(self, ctx: WatchContext, batch: dict, logits) -> None:
+        if not ctx.model.training:
+            return
+        active = _dropout_active(ctx.model)
+        self.report_once("train_mode", ctx, "eval", "eval",
+                         "a forward without grad (evaluation or generation) ran with the model in train mode "
+                         + (f"(dropout active in {active[0]} and {len(active) - 1} more): model.eval() is missing"
+                            if active else "(no dropout module, so only mode-dependent code changes): model.eval() "
+                            "is missing"), {"dropout_modules": active[:5]}, confidence=0.7 if active else 0.5)
+
+
+def _pad_id(tokenizer) -> int | None:
+    for name in ("pad_token_id", "pad_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+@register
+class PadIds(BlackBoxDetector):
+    """Batches against the tokenizer: where attention_mask is 0 the ids are the tokenizer's pad id and the labels
+    are ignored; where it is 1 there is no pad id (unless pad doubles as another special token, e.g. EOS)."""
+
+    id = "bb_pad_ids"
+    family = "collate"
+    description = "padding in the batches vs the tokenizer's pad id: masked real tokens, trained pads"
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if ctx.tokenizer is None or _pad_id(ctx.tokenizer) is None:
+            raise NotApplicable("no tokenizer with a pad id was given")
+
+    def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
+        mask, ids, labels = batch.get("attention_mask"), batch.get("input_ids"), batch.get("labels")
+        if mask is None or ids is None:
+            return
+        pad, hidden = _pad_id(ctx.tokenizer), mask == 0
+        if bool((ids[hidden] != pad).any()):
+            self.report_once("masked_real", ctx, "collate", "batch",
+                             f"attention_mask is 0 on {int((ids[hidden] != pad).sum())} positions holding real tokens "
+                             f"(not the pad id {pad}): the mask and the padding disagree (pads on another side?)",
+                             {"positions": int((ids[hidden] != pad).sum())}, confidence=0.8)
+        if not _pad_is_special(ctx.tokenizer, pad) and bool((ids[~hidden] == pad).any()):
+            self.report_once("attended_pad", ctx, "collate", "batch",
+                             f"attention_mask is 1 on {int((ids[~hidden] == pad).sum())} pad tokens: the model attends "
+                             "to padding", {"positions": int((ids[~hidden] == pad).sum())}, confidence=0.8)
+        if labels is not None and labels.shape == mask.shape and bool((labels[hidden] != IGNORE_INDEX).any()):
+            self.report_once("trained_pad", ctx, "collate", "batch",
+                             f"{int((labels[hidden] != IGNORE_INDEX).sum())} labels at padded positions are not "
+                             f"{IGNORE_INDEX}: the loss is taken on padding",
+                             {"positions": int((labels[hidden] != IGNORE_INDEX).sum())}, confidence=0.8)
+
+
+def _pad_is_special(tokenizer, pad: int) -> bool:
+    """Whether the pad id doubles as another special token (EOS/BOS/UNK): then it may appear unmasked."""
+    return pad in {getattr(tokenizer, n, None) for n in ("eos_token_id", "bos_token_id", "unk_token_id")}
+
+
+@register
+class GoldenLoss(BlackBoxDetector):
+    """The loss per step against the user's golden envelope (``faultbench.record_golden`` of known-good runs):
+    outside [min - tol, max + tol] with tol = max(3 x the envelope's width, 10% of its max) on ``MIN_STEPS``
+    consecutive steps. It says only that the run left known-good behaviour: low confidence, at the loss."""
+
+    id = "bb_golden_loss"
+    family = "loss"
+    description = "loss outside the envelope of the user's own known-good runs"
+    MIN_STEPS = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._streak: list[dict] = []
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if not ctx.golden or not ctx.golden.get("steps"):
+            raise NotApplicable("no golden envelope was given (faultbench.record_golden)")
+
+    def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        steps = ctx.golden["steps"]
+        if record.loss is None or record.step > len(steps) or not steps[record.step - 1]["loss"]:
+            return
+        lo, hi = steps[record.step - 1]["loss"]
+        tol = max(3 * (hi - lo), 0.1 * abs(hi))
+        outside = not (lo - tol <= record.loss <= hi + tol)
+        point = {"step": record.step, "loss": record.loss, "golden": [lo, hi]}
+        self._streak = self._streak + [point] if outside else []
+        if len(self._streak) >= self.MIN_STEPS:
+            first = self._streak[0]
+            self.report_once("out", ctx, "loss", "loss",
+                             f"from step {first['step']} the loss ({first['loss']:.4g}) left the envelope of the "
+                             f"known-good runs ({first['golden'][0]:.4g}..{first['golden'][1]:.4g}) for "
+                             f"{self.MIN_STEPS} steps in a row", {"steps": self._streak}, confidence=0.3)

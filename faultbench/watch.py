@@ -1,0 +1,333 @@
+"""``faultbench.watch``: the black-box detectors on any causal-LM training loop, attached through hooks.
+
+    with faultbench.watch(model, optimizer, scheduler=sched, scaler=scaler) as w:
+        for step in ...:
+            ...  # the loop, unchanged
+    print(w.to_json())
+
+What it attaches (all removed on exit, also when the block raises; nothing of torch is monkeypatched):
+- ``model``'s forward pre-hook and hook: each call's batch (input_ids / attention_mask / position_ids / labels,
+  positional or keyword) and its logits and loss (a tuple, an object with .logits/.loss, or a tensor);
+  a call with grad enabled in train mode is a training forward, any other an evaluation forward;
+- on each parameter of the optimizer: a gradient hook (fires before the gradient is accumulated: at the first
+  backward after a step, is ``.grad`` still holding the previous step's gradient?) and a post-accumulate hook
+  (the gradient norm as the backward left it, before clipping and unscaling);
+- the optimizer's step pre-/post-hooks: the lr of each group, the gradient norm it steps with, the scaler's
+  scale; one ``StepRecord`` per step.
+Detector errors never reach the loop: they are kept in the report. ``observe(loss=...)`` gives the loss of a
+loop whose model does not return it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import sys
+import traceback
+import types
+from pathlib import Path
+
+import torch
+
+from detectors.api import Finding, NotApplicable, all_detectors, rank_findings
+from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
+
+# the names a forward's arguments go by, mapped to the batch keys detectors read
+_ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
+              "input": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
+              "labels": "labels", "targets": "labels", "y": "labels"}
+
+
+def normalize_call(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> dict:
+    """A forward's arguments as {"input_ids", "attention_mask"?, "position_ids"?, "labels"?} tensors: bound by
+    the forward's signature, else the first integer tensor is the input ids."""
+    named = dict(kwargs)
+    if signature is not None:
+        try:
+            named = dict(signature.bind_partial(*args, **kwargs).arguments)
+        except TypeError:
+            pass
+    batch = {_ARG_NAMES[k]: v for k, v in named.items() if k in _ARG_NAMES and isinstance(v, torch.Tensor)}
+    if "input_ids" not in batch:
+        ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
+        if ids is not None:
+            batch["input_ids"] = ids
+    return batch
+
+
+def split_output(output) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(logits, loss) of a forward's return value: an object with .logits/.loss, a tuple (logits first, a
+    0-dim loss anywhere), or the logits tensor itself."""
+    logits, loss = getattr(output, "logits", None), getattr(output, "loss", None)
+    if isinstance(output, (tuple, list)):
+        tensors = [t for t in output if isinstance(t, torch.Tensor)]
+        logits = next((t for t in tensors if t.dim() >= 2 and t.is_floating_point()), None)
+        loss = next((t for t in tensors if t.dim() == 0), None)
+    elif isinstance(output, torch.Tensor):
+        logits = output
+    return logits, loss
+
+
+def _unwrap_optimizer(optimizer):
+    """The torch optimizer inside wrappers that hold it as ``.optimizer`` (accelerate's AcceleratedOptimizer):
+    its step hooks are the ones that fire."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _signature(model: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _norm(tensors) -> float | None:
+    """L2 norm over tensors (None when there are none)."""
+    tensors = [t.detach().float() for t in tensors]
+    if not tensors:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))
+
+
+class Watch:
+    """The context manager ``watch`` returns: hooks in, detectors fired, findings out.
+
+    ``findings``: ranked Finding objects; ``not_applicable``: {detector: reason}; ``errors``: {detector: error};
+    ``to_json()`` / ``report()``: the same as JSON and as text (printed at exit when ``report=True``)."""
+
+    def __init__(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, golden=None,
+                 detectors="black-box", rank=None, world_size=None, report=True, out=None):
+        rank, world_size = _ranks(rank, world_size)
+        self.ctx = WatchContext(model, _unwrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler,
+                                tokenizer=tokenizer, golden=load_golden(golden), rank=rank, world_size=world_size)
+        self.detectors = _instantiate(detectors)
+        self.print_report, self.out = report, out
+        self.not_applicable: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+        self._handles: list = []
+        self._signature = _signature(model)
+        self._pending: dict | None = None  # the batch of the call in flight
+        self._losses: list[float] = []
+        self._micro = 0
+        self._fresh = True  # no backward yet since the last optimizer step
+        self._backward_sq: dict[int, torch.Tensor] = {}
+        self._before: dict = {}
+
+    # ---- public
+    @property
+    def findings(self) -> list[Finding]:
+        return rank_findings([f for d in self.detectors for f in d.findings])
+
+    def observe(self, loss=None) -> None:
+        """The loss of the current micro-batch, for loops whose model does not return one."""
+        if loss is not None:
+            self._losses.append(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+
+    def to_dict(self) -> dict:
+        return {"steps": self.ctx.step, "findings": [f.to_dict() for f in self.findings],
+                "not_applicable": dict(self.not_applicable), "errors": dict(self.errors)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def report(self) -> str:
+        """The readable report: ranked findings, then each not-applicable detector once, then detector errors."""
+        findings = self.findings
+        lines = [f"faultbench.watch: {len(findings) or 'no'} finding{'s' * (len(findings) != 1)} "
+                 f"over {self.ctx.step} optimizer steps"]
+        for i, f in enumerate(findings, 1):
+            lines.append(f"{i:>2}. [{f.subsystem}] {f.where} (step {f.step}, {f.detector}, "
+                         f"confidence {f.confidence:.2f}): {f.message}")
+        lines += [f"not applicable: {d}: {why}" for d, why in self.not_applicable.items()]
+        lines += [f"detector error: {d}: {err}" for d, err in self.errors.items()]
+        return "\n".join(lines)
+
+    # ---- the context manager
+    def __enter__(self) -> Watch:
+        self._attach()
+        self._fire("on_start", self.ctx)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc is None:
+                self._fire("on_end", self.ctx)
+            else:
+                self._fire("on_crash", self.ctx, _crash(exc))
+        finally:
+            self._detach()
+        if self.out is not None:
+            Path(self.out).write_text(self.to_json())
+        if self.print_report:
+            print(self.report(), file=sys.stderr)
+        return False  # the user's exception propagates unchanged
+
+    # ---- hooks
+    def _attach(self) -> None:
+        model, optimizer = self.ctx.model, self.ctx.optimizer
+        self._handles += [model.register_forward_pre_hook(self._guard(self._before_forward), with_kwargs=True),
+                          model.register_forward_hook(self._guard(self._after_forward)),
+                          optimizer.register_step_pre_hook(self._guard(self._before_step)),
+                          optimizer.register_step_post_hook(self._guard(self._after_step))]
+        for p in self.ctx.optimizer_params():
+            if p.requires_grad:
+                self._handles.append(p.register_hook(self._guard(self._grad_arrives)))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._guard(self._grad_accumulated)))
+
+    def _detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _guard(self, fn):
+        """``fn`` as a hook that never raises into the loop (its error is kept as the watch's own) and keeps quiet
+        during a detector's probe."""
+        def hook(*args):
+            if self.ctx.probing:
+                return None
+            try:
+                fn(*args)
+            except Exception as e:  # the user's loop must go on: report it instead
+                self.errors.setdefault(f"watch.{fn.__name__.lstrip('_')}", f"{type(e).__name__}: {e}")
+            return None
+
+        return hook
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        self._pending = normalize_call(self._signature, args, kwargs)
+
+    def _after_forward(self, module, args, output) -> None:
+        batch, self._pending = self._pending or {}, None
+        logits, loss = split_output(output)
+        if torch.is_grad_enabled() and module.training:
+            self._micro += 1
+            if loss is not None and loss.numel() == 1:
+                self._losses.append(float(loss.detach()))
+            self.ctx.last_batch = batch
+            self._fire("on_forward", self.ctx, batch, logits, loss)
+        else:
+            self._fire("on_eval_forward", self.ctx, batch, logits)
+
+    def _grad_arrives(self, grad) -> None:
+        """The first gradient of the first backward after a step: does any .grad still hold the previous step's?"""
+        if not self._fresh:
+            return
+        self._fresh = False
+        params = self.ctx.optimizer_params()
+        stale = [p for p in params if p.grad is not None and bool(p.grad.detach().ne(0).any())]
+        self.ctx.stale_grads = ({"params": len(stale), "of": len(params), "first": self.ctx.param_owner(stale[0]),
+                                 "norm": _norm(p.grad for p in stale)} if stale else None)
+
+    def _grad_accumulated(self, param) -> None:
+        self._backward_sq[id(param)] = param.grad.detach().float().pow(2).sum()
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        scaler = self.ctx.scaler
+        backward = math.sqrt(float(sum(self._backward_sq.values()))) if self._backward_sq else None
+        self._before = {"lrs": [float(g["lr"]) for g in optimizer.param_groups],
+                        "grad_norm": _norm(p.grad for p in self.ctx.optimizer_params() if p.grad is not None),
+                        "backward_norm": backward,
+                        "scale": float(scaler.get_scale()) if self.ctx.scaler_enabled else None}
+        self._fire("on_before_step", self.ctx)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        ctx, before = self.ctx, self._before
+        previous = ctx.history[-1].scale if ctx.history else None
+        skipped = (round(math.log2(previous / before["scale"])) if previous and before["scale"]
+                   and before["scale"] < previous else 0)
+        loss = sum(self._losses) / len(self._losses) if self._losses else None
+        ctx.step += 1
+        record = StepRecord(ctx.step, loss, before["lrs"], before["grad_norm"], before["backward_norm"],
+                            before["scale"], skipped, self._micro)
+        ctx.history.append(record)
+        self._losses, self._micro, self._fresh = [], 0, True
+        self._backward_sq.clear()
+        self._fire("on_after_step", ctx, record)
+
+    # ---- detectors
+    def _fire(self, hook: str, *args) -> None:
+        for det in self.detectors:
+            if det.id in self.errors or det.id in self.not_applicable:
+                continue
+            if getattr(type(det), hook) is getattr(BlackBoxDetector, hook):
+                continue
+            try:
+                getattr(det, hook)(*args)
+            except NotApplicable as e:
+                self.not_applicable[det.id] = str(e)
+            except Exception as e:  # a detector's bug must not break the user's loop
+                self.errors[det.id] = f"{hook}: {type(e).__name__}: {e}"
+
+
+def _ranks(rank, world_size) -> tuple[int, int]:
+    """The given rank/world size, else torch.distributed's when it is initialized, else 0 / 1."""
+    dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if rank is None:
+        rank = torch.distributed.get_rank() if dist else 0
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if dist else 1
+    return rank, world_size
+
+
+def _instantiate(detectors) -> list[BlackBoxDetector]:
+    """Fresh detectors from "black-box" (every registered one of the track) or a list of their ids."""
+    ids = black_box_ids() if detectors == "black-box" else list(detectors)
+    registry = all_detectors()
+    unknown = [d for d in ids if d not in registry or registry[d].track != "black-box"]
+    if unknown:
+        raise ValueError(f"not black-box detectors: {', '.join(unknown)} (known: {', '.join(black_box_ids())})")
+    return [registry[d]() for d in ids]
+
+
+def _crash(exc: BaseException) -> dict:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return {"type": type(exc).__name__, "message": str(exc),
+            "frames": [(f.filename, f.lineno, f.name) for f in frames]}
+
+
+def watch(model, optimizer, **kwargs) -> Watch:
+    """Watch a training loop: ``with watch(model, optimizer, scheduler=, scaler=, tokenizer=, golden=,
+    detectors="black-box", rank=, world_size=, report=True, out=None) as w: ...``. See ``Watch``."""
+    return Watch(model, optimizer, **kwargs)
+
+
+# ---- golden envelopes: the user's own known-good runs
+def record_golden(watches, path=None) -> dict:
+    """The envelope of finished known-good runs (``Watch`` objects): per step the [min, max] of the loss and of
+    the gradient norm over the runs, and of the last loss. Written as JSON to ``path`` when given."""
+    histories = [w.ctx.history for w in watches]
+    if not histories or not all(histories):
+        raise ValueError("record_golden needs at least one finished run with optimizer steps")
+    steps = min(len(h) for h in histories)
+
+    def span(values):
+        values = [v for v in values if v is not None and math.isfinite(v)]
+        return [min(values), max(values)] if values else None
+
+    golden = {"runs": len(histories),
+              "steps": [{"loss": span(h[i].loss for h in histories),
+                         "grad_norm": span(h[i].grad_norm for h in histories)} for i in range(steps)],
+              "final_loss": span(h[-1].loss for h in histories)}
+    if path is not None:
+        Path(path).write_text(json.dumps(golden, indent=1))
+    return golden
+
+
+def load_golden(golden) -> dict | None:
+    """A golden envelope from a dict, a JSON file path, or None."""
+    if golden is None or isinstance(golden, dict):
+        return golden
+    return json.loads(Path(golden).read_text())
+
+
+class _CallableModule(types.ModuleType):
+    """``faultbench.watch`` names this module once it is imported as a submodule: calling it calls ``watch``."""
+
+    def __call__(self, *args, **kwargs) -> Watch:
+        return watch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
