@@ -366,7 +366,7 @@ def label_alignment(batch: dict, logits: torch.Tensor, loss: torch.Tensor | floa
     labels = ids if labels is None else labels
     if labels.shape != ids.shape or logits.shape[:2] != ids.shape:
         return None
-    loss = float(loss)
+    loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
     logits = logits.detach()
     mask = labels != IGNORE
     if torch.equal(labels[mask], ids[mask]):  # aligned with the inputs: the next token is one further

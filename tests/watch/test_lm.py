@@ -1,0 +1,115 @@
+"""CausalLM: the call convention learned from the signature and one trial call, on the HF tiny Llama, the
+nanoGPT-style model, a nanoGPT that returns only the last position without targets, and a plain-tensor model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import targets
+
+targets.get("hf")  # HF_HUB_OFFLINE before transformers is imported
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from detectors.blackbox.lm import CausalLM  # noqa: E402
+from tests.watch import nanogpt  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def llama(seed: int) -> LlamaForCausalLM:
+    """The HF target's tiny Llama shape (targets/hf/modeling.py) on a 64-token vocabulary."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+def ids(vocab: int, shape=(3, 12), seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+class LastOnly(nn.Module):
+    """nanoGPT's inference convention: without targets only the last position's logits come back."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 16)
+
+    def forward(self, idx, targets=None):
+        logits = self.emb(idx)
+        return (logits, logits.sum()) if targets is not None else (logits[:, [-1]], None)
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+    def forward(self, tokens):
+        return self.emb(tokens)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hf_llama_is_called_by_name_and_its_cached_decode_matches_the_full_forward(seed):
+    lm = CausalLM.wrap(llama(seed))
+    assert (lm.takes_attention_mask, lm.takes_position_ids, lm.takes_cache, lm.by_name) == (True, True, True, True)
+    x = ids(64, seed=seed)
+    with torch.no_grad():
+        full, decoded = lm.logits(x), lm.decode_with_cache(x)
+        direct = lm.model(input_ids=x).logits
+    assert full.shape == (3, 12, 64) and full.dtype == torch.float32
+    assert torch.equal(full, direct)
+    assert (full - decoded).abs().max() < 1e-4
+    assert not torch.equal(full[:, 1:], full[:, :-1])  # per-position logits, not one row repeated
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nanogpt_is_called_positionally_and_takes_no_mask_positions_or_cache(seed):
+    model, _, _ = nanogpt.build(seed=seed)
+    model.eval()
+    lm = CausalLM.wrap(model)
+    assert (lm.takes_attention_mask, lm.takes_position_ids, lm.takes_cache, lm.by_name) == (False,) * 4
+    x = ids(nanogpt.TOKENIZER.vocab_size, seed=seed)
+    with torch.no_grad():
+        assert torch.equal(lm.logits(x), model(x)[0])
+        assert lm.decode_with_cache(x) is None
+        with pytest.raises(ValueError, match="takes no attention_mask"):
+            lm.logits(x, attention_mask=torch.ones_like(x))
+
+
+def test_a_model_that_returns_every_position_only_with_targets_gets_them():
+    lm = CausalLM.wrap(LastOnly())
+    assert lm.pass_targets
+    assert lm.logits(ids(16)).shape == (3, 12, 16)
+
+
+def test_a_plain_tensor_model_is_wrapped():
+    lm = CausalLM.wrap(Plain())
+    assert not lm.pass_targets and lm.logits(ids(8)).shape == (3, 12, 8)
+
+
+def test_a_model_without_logits_is_refused_in_one_line():
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return self.w.sum()
+
+    with pytest.raises(ValueError, match=r"gives no \(batch, time, vocab\) logits"):
+        CausalLM.wrap(Scalar())
+
+
+def test_the_trial_call_leaves_training_mode_and_the_rng_as_they_were():
+    model, _, _ = nanogpt.build(seed=0)  # dropout 0.1: a call in train mode would draw random numbers
+    model.train()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    CausalLM.wrap(model)
+    assert model.training and torch.equal(torch.rand(3), expected)
