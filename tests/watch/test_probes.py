@@ -1,0 +1,141 @@
+"""The behavioural probes of the black-box track: silent on the clean HF tiny Llama and the clean nanoGPT
+model (2 seeds each); each broken property found, with its subsystem and the module where it is born, on the
+nanoGPT bugs and on HF faults injected into transformers; the probe detectors through faultbench.watch."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from detectors.api import NotApplicable
+from detectors.blackbox import probes
+from detectors.blackbox.lm import CausalLM
+from faults.inject import injected
+from tests.watch import nanogpt
+from tests.watch.test_lm import ids, llama
+
+torch.set_num_threads(1)
+
+MODEL_PROBES = ("causality", "padding_invariance", "cache_consistency", "position_shift")
+
+
+def run_probes(lm: CausalLM, batch: torch.Tensor) -> dict:
+    """{probe: ProbeResult | None | "n/a"} of every model probe on ``batch``, in no-grad eval mode."""
+    out = {}
+    with torch.no_grad():
+        for name in MODEL_PROBES:
+            try:
+                out[name] = getattr(probes, name)(lm, batch)
+            except NotApplicable:
+                out[name] = "n/a"
+    return out
+
+
+def nano(seed: int, bugs=()) -> CausalLM:
+    model, _, _ = nanogpt.build(bugs=bugs, seed=seed)
+    return CausalLM.wrap(model.eval())
+
+
+def nano_batch(seed: int, shift: bool = True):
+    torch.manual_seed(seed)
+    return nanogpt.get_batch("train", 8, 32, shift)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_silent_on_the_clean_hf_llama(seed):
+    assert run_probes(CausalLM.wrap(llama(seed)), ids(64, (4, 16), seed)) == dict.fromkeys(MODEL_PROBES)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_silent_on_clean_nanogpt_and_not_applicable_where_it_takes_no_such_call(seed):
+    x, _ = nano_batch(seed)
+    assert run_probes(nano(seed), x) == {"causality": None, "padding_invariance": "n/a",
+                                         "cache_consistency": "n/a", "position_shift": "n/a"}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nanogpt_not_causal_is_a_mask_leak_born_in_the_first_attention(seed):
+    x, _ = nano_batch(seed)
+    with torch.no_grad():
+        result = probes.causality(nano(seed, ("not_causal",)), x)
+    assert result.subsystem == "mask" and result.where == "transformer.h.0.attn"
+    assert result.gap > 10 * result.evidence["tolerance"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_label_alignment_on_nanogpt_fires_on_unshifted_targets_only(seed, accum):
+    """The loop divides the loss by the accumulation steps: a constant integer factor must not hide the bug
+    nor fire on the correct loop."""
+    model, _, _ = nanogpt.build(seed=seed)
+    for shift in (True, False):
+        x, y = nano_batch(seed, shift)
+        logits, loss = model(x, y)
+        result = probes.label_alignment({"input_ids": x, "labels": y}, logits, loss / accum)
+        if shift:
+            assert result is None
+        else:
+            assert (result.subsystem, result.where) == ("loss", "loss")
+            assert result.gap == pytest.approx(1 / accum, rel=1e-5)  # loop loss / own-token NLL
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_label_alignment_on_hf_ignores_masked_labels_and_window_token_counts(seed):
+    model = llama(seed)
+    x = ids(64, (4, 16), seed)
+    labels = x.clone()
+    labels[0, :3] = -100  # padding ignored by the loss
+    for num_items in (None, torch.tensor(150)):  # Trainer's count over an accumulation window
+        out = model(input_ids=x, labels=labels, num_items_in_batch=num_items)
+        assert probes.label_alignment({"input_ids": x, "labels": labels}, out.logits, out.loss) is None
+    with injected("hf_label_shift_off_by_one"):
+        out = model(input_ids=x, labels=labels)
+    result = probes.label_alignment({"input_ids": x, "labels": labels}, out.logits, out.loss)
+    assert (result.subsystem, result.where) == ("loss", "loss")
+
+
+HF_FAULTS = [  # fault, the probe that must see it, its subsystem
+    ("hf_causal_mask_off_by_one", "causality", "mask"),
+    ("hf_padding_mask_wrong_axis", "padding_invariance", "mask"),
+    ("hf_kv_cache_prepends_new_states", "cache_consistency", "model"),
+    ("hf_rope_q_only", "position_shift", "position"),
+]
+
+
+@pytest.mark.parametrize(("fault", "probe", "subsystem"), HF_FAULTS)
+def test_hf_fault_is_found_by_its_probe_in_the_first_attention(fault, probe, subsystem):
+    with injected(fault):
+        lm = CausalLM.wrap(llama(0))
+        with torch.no_grad():
+            result = getattr(probes, probe)(lm, ids(64, (4, 16)))
+    assert result.subsystem == subsystem
+    assert result.where == "model.layers.0.self_attn"
+
+
+def test_a_probe_round_costs_a_few_forwards():
+    """Wall time of one round of the four model probes (printed for the report; bounded loosely)."""
+    timings = {}
+    for name, lm, batch in (("hf", CausalLM.wrap(llama(0)), ids(64, (4, 16))), ("nanogpt", nano(0), nano_batch(0)[0])):
+        start = time.perf_counter()
+        run_probes(lm, batch)
+        timings[name] = time.perf_counter() - start
+    print("probe round seconds:", timings)
+    assert max(timings.values()) < 5.0
+
+
+def test_probe_detectors_through_watch_on_the_nanogpt_loop():
+    """not_causal and no_shift found by the probe detectors in the real loop; the clean loop gives none of theirs."""
+    import faultbench
+
+    ids_ = ["bb_causality", "bb_padding_invariance", "bb_cache_consistency", "bb_position_shift", "bb_label_alignment"]
+    cfg = nanogpt.TrainConfig(max_iters=3)
+    outcomes = {}
+    for bugs in ((), ("not_causal",), ("no_shift",)):
+        out = nanogpt.train(cfg, bugs=bugs, seed=0, watch=lambda m, o, s: faultbench.watch(
+            m, o, scaler=s, detectors=ids_, report=False))
+        outcomes[bugs] = {(f.detector, f.subsystem, f.where) for f in out["watch"].findings}
+    assert outcomes[()] == set()
+    assert outcomes[("not_causal",)] == {("bb_causality", "mask", "transformer.h.0.attn")}
+    assert outcomes[("no_shift",)] == {("bb_label_alignment", "loss", "loss")}
