@@ -121,6 +121,11 @@ class Watch:
     def findings(self) -> list[Finding]:
         return rank_findings([f for d in self.detectors for f in d.findings])
 
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are in (between enter and exit)."""
+        return bool(self._handles)
+
     def observe(self, loss=None) -> None:
         """The loss of the current micro-batch, for loops whose model does not return one."""
         if loss is not None:

@@ -1,0 +1,36 @@
+"""``FaultbenchCallback``: the black-box detectors on a ``transformers.Trainer`` run.
+
+    trainer = Trainer(..., callbacks=[FaultbenchCallback()])
+    trainer.train()          # the report is printed when training ends
+    trainer.callback_handler.callbacks[-1].watch.findings
+
+It attaches ``faultbench.watch`` when training begins (Trainer has created the optimizer and the scheduler by
+then; the loss scaler is accelerate's, held by its optimizer wrapper) and detaches it when training ends.
+Evaluations run inside ``train()`` are watched; ``trainer.evaluate()`` called after it is not.
+"""
+
+from __future__ import annotations
+
+from transformers import TrainerCallback
+
+from faultbench.watch import Watch
+
+
+class FaultbenchCallback(TrainerCallback):
+    """``watch_kwargs``: passed to ``faultbench.watch`` (detectors, golden, report, out, ...). ``watch`` is the
+    last run's ``Watch`` (its findings, JSON and report) once training has begun."""
+
+    def __init__(self, **watch_kwargs):
+        self.watch_kwargs = watch_kwargs
+        self.watch: Watch | None = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
+                       processing_class=None, **kwargs):
+        self.watch = Watch(model, optimizer, scheduler=lr_scheduler, scaler=getattr(optimizer, "scaler", None),
+                           tokenizer=processing_class, rank=args.process_index, world_size=args.world_size,
+                           **self.watch_kwargs)
+        self.watch.__enter__()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.watch is not None and self.watch.attached:
+            self.watch.__exit__(None, None, None)
