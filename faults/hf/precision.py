@@ -12,6 +12,7 @@ from transformers.trainer import ParallelMode, logger
 from faults.registry import Manifest, fault
 
 _TRAINER = "transformers.trainer.Trainer"
+_LLAMA = "transformers.models.llama.modeling_llama"
 
 
 @fault(
@@ -47,3 +48,38 @@ def move_model_to_device_bf16(self, model, device):
     # Moving a model to an XLA device disconnects the tied weights, so we have to retie them.
     if self.args.parallel_mode == ParallelMode.TPU and hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+@fault(
+    "hf_rope_freqs_under_autocast", target="hf", seam=f"{_LLAMA}.LlamaRotaryEmbedding.forward",
+    title="RoPE angles computed by a matmul that bf16 autocast runs in bf16: positions lose precision at long context",
+    subsystem="precision", also_acceptable=("position",), trigger="amp-only", symptoms=("silent-quality",),
+    explanation="LlamaRotaryEmbedding.forward builds the angles position x inv_freq as a batched matmul of two "
+    "tensors it has just cast to float32. matmul is on autocast's lower-precision list, so under bf16 autocast "
+    "(Trainer with bf16=True) the angles are computed and rounded in bf16, whose 8-bit mantissa spaces integers 8 "
+    "apart at 1024: every position beyond 256 is rounded to its neighbours, and the error in radians grows with the "
+    "position. cos/sin are then taken of the wrong angles. Short sequences barely change; at long context the "
+    "encoding stops being relative (the same tokens at other offsets attend differently) and quality degrades.",
+    fix="Compute the angles with autocast disabled (torch.autocast(device_type, enabled=False)) in float32, as "
+    "transformers does since #29285, or as an elementwise product (not an autocast op): "
+    "position_ids[..., None].float() * inv_freq.float().",
+    references=(
+        "huggingface/transformers#29285: 'RoPE loses precision for Llama / Gemma + Gemma logits.float()' (the "
+        "angles' matmul autocast to bf16; fixed by wrapping it in torch.autocast(enabled=False))",
+        "huggingface/diffusers#13920: 'Ideogram4MRoPE breaks under torch.autocast: all image positions collapse' "
+        "(the same matmul on autocast's lower-precision list)",
+    ),
+    manifest=Manifest(check="extra_at_least", scenario="generate", steps=32,
+                      variant={"precision": "bf16", "lr": 1e-2},
+                      params={"key": "rope_far_shift_gap", "faulty_min": 0.2, "clean_max": 0.1}),
+)
+def rotary_forward_freqs_matmul(self, x, position_ids):
+    """The angles come from a matmul, which bf16 autocast runs (and rounds) in bf16."""
+    inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
+    position_ids_expanded = position_ids[:, None, :].float()
+    freqs = (inv_freq_expanded @ position_ids_expanded).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * self.attention_scaling
+    sin = emb.sin() * self.attention_scaling
+
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)

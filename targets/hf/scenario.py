@@ -13,8 +13,10 @@ A manifest of an HF fault names a scenario and a variant of the ``fp32`` recipe 
 - ``generate``: ``train``, then two probes of the trained model: greedy ``generate`` (DynamicCache) on
   left-padded prompts against a full forward of the same sequences (``cached_logit_gap``), each prompt
   alone against the left-padded batch (``pad_logit_gap``), and every position shifted by the same amount
-  (``rope_shift_gap``: RoPE is relative, so zero up to rounding), and the same forward under the other
-  attention implementation, eager vs sdpa (``impl_logit_gap``: the same weights, so zero up to rounding);
+  (``rope_shift_gap``: RoPE is relative, so zero up to rounding; ``rope_far_shift_gap`` shifts them to a long-context
+  position, where RoPE tables computed in reduced precision lose the relative property), and the same forward
+  under the other attention implementation, eager vs sdpa (``impl_logit_gap``: the same weights, so zero up to
+  rounding);
 - ``resume``: ``train`` uninterrupted and again saved at ``steps // 2`` and resumed by a fresh Trainer;
   ``resume_loss_gap`` and ``resume_param_gap`` say how far the resumed run strays (clean: not at all);
 - ``ddp``: ``train`` on 2 ranks of a ``harness.launch.RankPool`` (faults injected on every rank by the
@@ -40,6 +42,7 @@ from targets.hf.run import EVAL_DOCS, HFRun, build_run, evaluate
 SCENARIOS = ("train", "generate", "resume", "ddp")
 PROMPT_LENGTHS = (3, 5, 4, 6)  # left-padded prompts of different lengths: padding and cache offsets matter
 NEW_TOKENS = 8
+FAR_SHIFT = 1024  # a long-context position offset: bf16's spacing there is 8, so a position rounded to bf16 moves
 EOS_DOCS = 256  # documents of the EOS probe: enough that the rare over-long ones (~1%) are among them
 
 
@@ -144,7 +147,8 @@ def _decayed_params(run: HFRun) -> int:
 def generation_gaps(run: HFRun) -> dict[str, float]:
     """``cached_logit_gap``: max |logits of cached greedy decoding - a full forward of the same sequences|;
     ``pad_logit_gap``: max |a prompt's last logits in the left-padded batch - the prompt alone|;
-    ``rope_shift_gap``: max |logits of the real tokens with every position + 8 - with their own positions|."""
+    ``rope_shift_gap``: max |logits of the real tokens with every position + 8 - with their own positions|;
+    ``rope_far_shift_gap``: the same with every position + ``FAR_SHIFT``."""
     tok, model = run.tokenizer, run.model.eval()
     side, tok.padding_side = tok.padding_side, "left"
     try:
@@ -163,12 +167,14 @@ def generation_gaps(run: HFRun) -> dict[str, float]:
         last = full[:, prompt_len - 1]  # (B, V): each prompt's next-token logits in the batch
         alone = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1].float() for p in prompts])
         shifted = model(input_ids=out.sequences, attention_mask=mask, position_ids=positions + 8).logits.float()
+        far = model(input_ids=out.sequences, attention_mask=mask, position_ids=positions + FAR_SHIFT).logits.float()
         other = _other_attention(model, lambda: model(input_ids=out.sequences, attention_mask=mask,
                                                       position_ids=positions).logits.float())
     real = mask.bool()
     return {"cached_logit_gap": float((cached - full[:, prompt_len - 1:-1]).abs().max()),
             "pad_logit_gap": float((last - alone).abs().max()),
             "rope_shift_gap": float((shifted - full)[real].abs().max()),
+            "rope_far_shift_gap": float((far - full)[real].abs().max()),
             "impl_logit_gap": float((other - full)[real].abs().max())}
 
 
