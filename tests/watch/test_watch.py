@@ -1,0 +1,203 @@
+"""``faultbench.watch`` as a context manager: what it hands detectors, what it leaves behind, how it reports.
+
+Spy detectors are registered for a test only (``monkeypatch.setitem`` on the registry) and selected by id.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import faultbench
+from detectors.api import DETECTORS, Finding, NotApplicable, all_detectors
+from detectors.blackbox.api import BlackBoxDetector
+from tests.watch.nanogpt import TrainConfig, build, get_batch
+
+CFG = TrainConfig(amp=True, gradient_accumulation_steps=2)
+
+
+class Spy(BlackBoxDetector):
+    """Records every hook call; reports one finding at the end."""
+
+    id = "test_spy"
+    family = "model"
+    description = "test spy"
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def on_start(self, ctx):
+        self.calls.append(("start",))
+
+    def on_forward(self, ctx, batch, logits, loss):
+        self.calls.append(("forward", batch, logits, loss))
+
+    def on_eval_forward(self, ctx, batch, logits):
+        self.calls.append(("eval", batch, logits))
+
+    def on_after_step(self, ctx, record):
+        self.calls.append(("step", record))
+
+    def on_end(self, ctx):
+        self.calls.append(("end",))
+        self.report(ctx, "model", "transformer.h.0", "spy", {"tensor": torch.ones(2)}, confidence=0.4)
+
+    def on_crash(self, ctx, crash):
+        self.calls.append(("crash", crash))
+
+
+class Excused(BlackBoxDetector):
+    id = "test_excused"
+    family = "model"
+    description = "test: not applicable at every forward"
+    calls = 0
+
+    def on_forward(self, ctx, batch, logits, loss):
+        type(self).calls += 1
+        raise NotApplicable("the loop is not what I assume")
+
+
+class Broken(BlackBoxDetector):
+    id = "test_broken"
+    family = "model"
+    description = "test: a detector with a bug"
+
+    def on_after_step(self, ctx, record):
+        raise RuntimeError("detector bug")
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    all_detectors()
+    for cls in (Spy, Excused, Broken):
+        monkeypatch.setitem(DETECTORS, cls.id, cls)
+    Excused.calls = 0
+
+
+def loop(w_kwargs: dict, steps: int = 2):
+    """A short nanoGPT-style loop (accumulation 2, GradScaler) under watch; returns (watch, model, optimizer)."""
+    torch.manual_seed(0)
+    model, optimizer, scaler = build(CFG)
+    with faultbench.watch(model, optimizer, scaler=scaler, **{"report": False, **w_kwargs}) as w:
+        for _ in range(steps):
+            for _ in range(CFG.gradient_accumulation_steps):
+                x, y = get_batch("train", 4, 16)
+                _, loss = model(x, targets=y)  # keyword: the watch binds it by the forward's signature
+                scaler.scale(loss / CFG.gradient_accumulation_steps).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            model(get_batch("val", 2, 16)[0])
+        model.train()
+    return w, model, optimizer
+
+
+def hook_counts(model, optimizer) -> tuple:
+    params = list(model.parameters())
+    return (len(model._forward_pre_hooks), len(model._forward_hooks), len(optimizer._optimizer_step_pre_hooks),
+            len(optimizer._optimizer_step_post_hooks), sum(len(p._backward_hooks or {}) for p in params),
+            sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params))
+
+
+def test_hooks_hand_detectors_the_loops_batches_logits_losses_and_steps(spies):
+    w, model, _ = loop({"detectors": ["test_spy"]})
+    spy = w.detectors[0]
+    kinds = [c[0] for c in spy.calls]
+    assert kinds == ["start"] + (["forward"] * 2 + ["step"]) * 2 + ["eval", "end"]
+    forward = spy.calls[1]
+    assert set(forward[1]) == {"input_ids", "labels"} and forward[1]["input_ids"].shape == (4, 16)
+    assert forward[2].shape == (4, 16, model.config.vocab_size) and forward[3].dim() == 0
+    assert set(spy.calls[-2][1]) == {"input_ids"}  # the eval call: positional ids, no targets
+    record = spy.calls[3][1]
+    assert (record.step, record.micro_batches, record.skipped) == (1, 2, 0)
+    assert record.scale == 65536.0 and record.grad_norm > 0 and record.backward_norm > record.grad_norm
+    assert w.ctx.last_batch is spy.calls[-4][1]  # the last training forward's batch, not the eval call's
+
+
+def test_hooks_are_removed_on_exit_and_on_a_crash(spies):
+    model, optimizer, _ = build(CFG)
+    before = hook_counts(model, optimizer)
+    assert before == (0, 0, 0, 0, 0, 0)
+    w, model, optimizer = loop({"detectors": ["test_spy"]})
+    assert hook_counts(model, optimizer) == before and not w.attached
+    model, optimizer, scaler = build(CFG)
+    with pytest.raises(KeyError), faultbench.watch(model, optimizer, scaler=scaler, report=False) as w:
+        assert hook_counts(model, optimizer) != before
+        raise KeyError("x")
+    assert hook_counts(model, optimizer) == before
+
+
+def test_the_users_exception_is_passed_to_on_crash_then_reraised_unchanged(spies):
+    model, optimizer, scaler = build(CFG)
+    error = ValueError("the user's own error")
+    with pytest.raises(ValueError) as caught:
+        with faultbench.watch(model, optimizer, scaler=scaler, detectors=["test_spy"], report=False) as w:
+            raise error
+    assert caught.value is error
+    crash = w.detectors[0].calls[-1]
+    assert crash[0] == "crash" and crash[1]["type"] == "ValueError" and crash[1]["message"] == "the user's own error"
+    assert crash[1]["frames"][-1][2] == "test_the_users_exception_is_passed_to_on_crash_then_reraised_unchanged"
+    assert ("end",) not in w.detectors[0].calls
+
+
+def test_findings_round_trip_through_json(spies, tmp_path):
+    out = tmp_path / "watch.json"
+    w, _, _ = loop({"detectors": ["test_spy"], "out": out}, steps=1)
+    data = json.loads(out.read_text())
+    assert data == json.loads(w.to_json())
+    assert data["steps"] == 1 and len(data["findings"]) == 1
+    finding = Finding(**data["findings"][0])
+    assert finding == w.findings[0] and finding.where == "transformer.h.0" and finding.evidence == {"tensor": [1, 1]}
+
+
+def test_not_applicable_is_said_once_and_a_detector_error_never_breaks_the_loop(spies, capsys):
+    w, _, _ = loop({"detectors": ["test_excused", "test_broken", "test_spy"], "report": True}, steps=2)
+    assert w.ctx.step == 2  # the loop ran to its end
+    assert Excused.calls == 1 and w.not_applicable == {"test_excused": "the loop is not what I assume"}
+    assert w.errors == {"test_broken": "on_after_step: RuntimeError: detector bug"}
+    assert [f.detector for f in w.findings] == ["test_spy"]  # neither is a finding
+    printed = capsys.readouterr().err
+    assert printed.strip() == w.report()
+    assert printed.count("not applicable: test_excused: the loop is not what I assume") == 1
+    assert "detector error: test_broken" in printed and "1 finding over 2 optimizer steps" in printed
+
+
+def test_observe_gives_the_loss_of_a_model_that_returns_only_logits(spies):
+    model, optimizer, _ = build(TrainConfig())
+    with faultbench.watch(model, optimizer, detectors=["test_spy"], report=False) as w:
+        losses = []
+        for _ in range(2):
+            x, y = get_batch("train", 4, 16)
+            logits, _ = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            w.observe(loss=loss)
+            losses.append(loss.item())
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert w.ctx.history[0].loss == pytest.approx(sum(losses) / 2)
+    assert w.ctx.history[0].scale is None  # no scaler given
+
+
+def test_watch_is_callable_however_faultbench_was_imported():
+    """``faultbench.watch`` is a function and, once imported, a submodule too: both must call ``watch``."""
+    from faultbench.watch import Watch
+
+    model, optimizer, _ = build(TrainConfig())
+    for call in (faultbench.watch, sys.modules["faultbench.watch"]):
+        with call(model, optimizer, detectors=[], report=False) as w:
+            pass
+        assert isinstance(w, Watch) and w.findings == []
+
+
+def test_only_black_box_detectors_are_accepted():
+    model, optimizer, _ = build(TrainConfig())
+    white = next(d for d, cls in all_detectors().items() if cls.track == "white-box")
+    with pytest.raises(ValueError, match="not black-box detectors"):
+        faultbench.watch(model, optimizer, detectors=[white])
