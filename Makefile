@@ -57,6 +57,7 @@ bench-peers: setup $(PEERS)/.installed $(SMDEBUG)/.installed
 	$(PEERS)/bin/python -m pytest -q -p no:cacheprovider tests/peers
 	$(SMDEBUG)/bin/python -m pytest -q -p no:cacheprovider tests/peers/test_smdebug_peer.py
 	$(PY) -m harness bench
+	$(PY) -m harness bench --target ref --detectors detect_anomaly crash_triage --out results/peers/detect_anomaly
 	$(PEERS)/bin/python -m harness bench --target ref --plugin peers.torcheck_peer --detectors torcheck --out results/peers/torcheck
 	$(SMDEBUG)/bin/python -m harness bench --target ref --plugin peers.smdebug_peer --detectors smdebug --out results/peers/smdebug
 	$(PEERS)/bin/python -m peers.traincheck_peer --out results/peers/traincheck

@@ -58,7 +58,8 @@ class BenchConfig:
     only_plugin_faults: bool = False
     faults: tuple[str, ...] | None = None  # None: every registered fault
     clean: bool = True
-    exclusive: bool = True  # also run the exclusive detectors (each needs its own run of every case)
+    exclusive: bool = False  # also run the exclusive detectors (each needs its own run of every case)
+    per_subsystem: int | None = None  # --quick: only the first N faults (by id) of each target and subsystem
     jobs: int = max(1, min(os.cpu_count() or 1, 2))
     out: Path = ROOT / "results"
     use_cache: bool = True
@@ -88,7 +89,17 @@ def select_faults(cfg: BenchConfig) -> dict:
             raise ValueError(f"--fault {', '.join(outside)} is not a fault of --target {','.join(cfg.targets)}")
         return specs
     specs = {k: v for t in cfg.targets for k, v in all_faults(t).items()}
-    return {k: v for k, v in specs.items() if k not in builtin} if cfg.only_plugin_faults else specs
+    if cfg.only_plugin_faults:
+        specs = {k: v for k, v in specs.items() if k not in builtin}
+    return specs if cfg.per_subsystem is None else sample_per_subsystem(specs, cfg.per_subsystem)
+
+
+def sample_per_subsystem(specs: dict, n: int) -> dict:
+    """The first ``n`` faults by id of each (target, subsystem): a quick run still touches every subsystem."""
+    kept: dict[tuple[str, str], list[str]] = {}
+    for fault_id in sorted(specs):
+        kept.setdefault((specs[fault_id].target, specs[fault_id].subsystem), []).append(fault_id)
+    return {f: specs[f] for ids in kept.values() for f in ids[:n]}
 
 
 def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:

@@ -307,6 +307,14 @@ def _detectors(args) -> int:
     return 0
 
 
+def _names_exclusive(names) -> bool:
+    """Whether ``--detectors`` names an exclusive detector itself (``all`` leaves them out: each doubles the bench)."""
+    from detectors.api import all_detectors
+
+    registry = all_detectors()
+    return any(n in registry and registry[n].exclusive for n in names)
+
+
 def _bench(args) -> int:
     from pathlib import Path
 
@@ -322,7 +330,8 @@ def _bench(args) -> int:
         raise ValueError("--only-plugin-faults needs a --plugin that registers faults")
     cfg = BenchConfig(seeds=seeds, targets=args.target, detectors=tuple(args.detectors or ("all",)),
                       plugins=tuple(args.plugin or ()),
-                      exclusive=not args.quick,
+                      exclusive=args.exclusive or _names_exclusive(args.detectors or ()),
+                      per_subsystem=1 if args.quick and not args.fault else None,
                       only_plugin_faults=args.only_plugin_faults, faults=tuple(args.fault) if args.fault else None,
                       jobs=args.jobs, out=Path(args.out), use_cache=not args.no_cache, progress=not args.json,
                       bundles=Path(args.bundles) if args.bundles else None, command=tuple(args.command_line))
@@ -344,28 +353,55 @@ def _bench(args) -> int:
 
 
 def _practice(args) -> int:
-    from harness import practice
+    from harness import practice, practice_session
+    from harness.rubric import rubric
 
     torch.set_num_threads(1)
     _load_plugins(args)
-    cmd = args.practice_command
+    cmd, keys = args.practice_command, getattr(args, "keys", None)
     if cmd == "rubric":
-        print(practice.rubric(args.fault), end="")
-    elif cmd == "new":
-        where = practice.new_exercise(args.dir, args.seed, args.fault, args.subsystem, args.difficulty)
-        print(f"exercise written to {where}: start with its README.md")
+        print(rubric(args.fault), end="")
+    elif cmd in ("new", "export"):
+        where = practice.new_exercise(args.dir, args.seed, args.fault, args.subsystem, args.difficulty, keys)
+        if getattr(args, "archive", None):
+            print(f"archive to hand over: {practice.export_archive(where, args.archive, keys)}")
+        print(f"exercise written to {where}: it runs on its own (README.md, train.py, check.py); the answer key "
+              f"stays in {practice.keys_dir(keys)}")
+    elif cmd == "start":
+        practice_session.start(args.dir, args.minutes, keys)
+        print(f"session started: {args.minutes:g} minutes")
+    elif cmd == "status":
+        print(practice_session.status(args.dir, keys))
+    elif cmd == "history":
+        print(practice_session.history_table(practice_session.history(keys)), end="")
+    elif cmd == "report":
+        text = practice_session.report(args.dir, keys)
+        if args.out:
+            from harness.atomic import write_text
+
+            write_text(args.out, text)
+            print(f"session report written to {args.out}")
+        else:
+            print(text, end="")
     elif cmd == "hint":
-        print(practice.hint(args.dir))
+        print(practice.hint(args.dir, keys))
     elif cmd == "answer":
-        verdict = practice.answer(args.dir, args.subsystem, args.seam)
-        seam = "" if verdict["seam"] is None else f"; seam: {verdict['seam']}"
-        print(f"subsystem: {verdict['subsystem']}{seam} (hints used: {verdict['hints_used']})")
+        verdict = practice.answer(args.dir, args.subsystem, args.seam, keys)
+        if not verdict["scored"]:
+            print("recorded, not scored: the answer was revealed already")
+        else:
+            seam = "" if verdict["seam"] is None else f"; function: {verdict['seam']}"
+            print(f"subsystem: {verdict['subsystem']}{seam} (hints used: {verdict['hints_used']})")
     elif cmd == "check":
-        result = practice.check(args.dir)
-        print("repaired: the run now behaves like the reference" if result["repaired"] else
-              "not repaired yet:\n" + "\n".join(f"  - {p}" for p in result["problems"]))
+        result = practice.check(args.dir, keys)
+        if result["code"] == 2:
+            print(result["problems"][0])
+        else:
+            print("not repaired yet:" if result["code"] else "repaired: the run now behaves like the reference")
+            print("".join(f"  - {p}\n" for p in result["problems"]), end="")
+        return result["code"]
     else:
-        print(practice.reveal(args.dir))
+        print(practice.reveal(args.dir, keys))
     return 0
 
 
@@ -443,8 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="every fault x seeds plus the clean matrix, scored; writes results/")
     bench.add_argument("--quick", action="store_true",
-                       help="one seed unless --seeds says otherwise, and no exclusive detectors (anomaly mode needs "
-                            "a second run of every case)")
+                       help="a smoke run: one seed unless --seeds says otherwise, and one fault per subsystem and "
+                            "target (the first by id) unless --fault names them, with the whole clean matrix")
+    bench.add_argument("--exclusive", action="store_true",
+                       help="also run the exclusive detectors (anomaly mode: a second run of every case), as naming "
+                            "one in --detectors does")
     bench.add_argument("--seeds", type=_positive_int, help="seeds 0..N-1 (default 3; 1 with --quick)")
     bench.add_argument("--target", type=_targets_or_all, default="all", metavar="ref|hf|all",
                        help="the stacks whose faults and clean matrix run (default all)")
@@ -462,24 +501,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     practice = sub.add_parser("practice", help="practice and interview mode: exercises with one hidden fault")
     practice_sub = practice.add_subparsers(dest="practice_command", required=True)
-    new = practice_sub.add_parser("new", help="write a runnable broken copy with a colleague's report")
-    new.add_argument("--dir", required=True)
-    new.add_argument("--seed", type=int, help="chooses the hidden fault (default: random)")
-    new.add_argument("--fault", help="this fault instead of a hidden choice (for interviewers)")
-    new.add_argument("--subsystem", choices=SUBSYSTEMS)
-    new.add_argument("--difficulty", choices=("easy", "medium", "hard"))
-    for name, text in (("hint", "the next staged hint"), ("check", "is the edited copy repaired?"),
-                       ("reveal", "the diff, the explanation, the fix, the real bug")):
+    for name, text in (("new", "write a standalone broken copy with a colleague's report"),
+                       ("export", "the same, and optionally a .tar.gz of it to hand over")):
+        new = practice_sub.add_parser(name, help=text)
+        new.add_argument("--dir", required=True)
+        new.add_argument("--seed", type=int, help="chooses the hidden fault (default: random)")
+        new.add_argument("--fault", help="this fault instead of a hidden choice (for interviewers)")
+        new.add_argument("--subsystem", choices=SUBSYSTEMS)
+        new.add_argument("--difficulty", choices=("easy", "medium", "hard"))
+    practice_sub.choices["export"].add_argument("--archive", metavar="FILE.tar.gz")
+    for name, text in (("hint", "the next staged hint"), ("check", "is the edited copy repaired? (exit 0/1/2)"),
+                       ("reveal", "the diff, the explanation, the fix, the real bug"),
+                       ("status", "time used and left, hints, answers, checks"),
+                       ("report", "the session's markdown report, for the interviewer")):
         p = practice_sub.add_parser(name, help=text)
         p.add_argument("dir")
+    practice_sub.choices["report"].add_argument("--out", metavar="FILE.md")
+    start = practice_sub.add_parser("start", help="start the clock with a time budget")
+    start.add_argument("dir")
+    start.add_argument("--minutes", type=_positive_float, required=True)
+    practice_sub.add_parser("history", help="every exercise's attempts, times, hints and reveals")
     ans = practice_sub.add_parser("answer", help="grade a diagnosis")
     ans.add_argument("dir")
-    ans.add_argument("--subsystem", required=True, choices=SUBSYSTEMS)
-    ans.add_argument("--seam")
+    ans.add_argument("--subsystem", required=True)
+    ans.add_argument("--seam", help="the function: full (model.rope.apply_rope) or a unique short name")
     rubric = practice_sub.add_parser("rubric", help="what a strong debugging answer covers for one fault")
     rubric.add_argument("--fault", required=True)
     for p in practice_sub.choices.values():
         p.add_argument("--plugin", action="append")
+        p.add_argument("--keys", metavar="DIR", help="where answer keys live (default .cache/practice/)")
     practice.set_defaults(func=_practice)
     return parser
 

@@ -130,10 +130,11 @@ def aggregate(rows: list[dict], passive: dict[str, bool]) -> dict:
     return out
 
 
-def exclusive_overhead(rows: list[dict], detector: str) -> float | None:
+def exclusive_overhead(rows: list[dict], detector: str, against: str = SUITE) -> float | None:
     """An exclusive detector changes the run itself (anomaly mode slows every op), so its overhead is its
-    case's train time over the paired suite case's train time without the suite's step hooks."""
-    base = {r["case"]: r["train_s"] - r["step_s"] for r in rows if r["detector"] == SUITE and r["train_s"] > 0}
+    case's train time over the paired case's (the rows of ``against``, same bench) train time without that
+    case's step hooks."""
+    base = {r["case"]: r["train_s"] - r["step_s"] for r in rows if r["detector"] == against and r["train_s"] > 0}
     ratios = [r["train_s"] / base[r["case"]] for r in rows
               if r["detector"] == detector and r["train_s"] > 0 and base.get(r["case"], 0) > 0 and not r["crash"]]
     return statistics.median(ratios) if ratios else None

@@ -1,7 +1,7 @@
 """results/peers.md: the peer tools and our suite scored on the same cases, side by side.
 
 Every tool's rows come from a bench.csv written by the same scorer (``harness.score.case_rows``): our
-suite and the anomaly-mode baseline from results/bench.csv (``make bench``), each peer from
+suite from results/bench.csv (``make bench``), the anomaly-mode baseline and each peer from
 results/peers/<tool>/bench.csv (``make bench-peers``). The cases are matched by name (fault/recipe/seed),
 so a tool's overhead is its case's training time over the same case's time without any tool (the suite's
 run minus its step hooks, which is the plain run's time).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ TOOLS = (
     Tool("suite", "faultbench suite", "bench.csv",
          "35 detectors: contract probes of each seam on crafted inputs, differential probes of the whole model, "
          "passive monitors against clean golden traces; each finding names a subsystem and a seam."),
-    Tool("detect_anomaly", "torch.autograd.detect_anomaly", "bench.csv",
+    Tool("detect_anomaly", "torch.autograd.detect_anomaly", "peers/detect_anomaly/bench.csv",
          "PyTorch's anomaly mode for the whole run: a backward function that returns NaN raises, with the "
          "forward traceback of the op that made it; mapped to the innermost seam on that traceback."),
     Tool("torcheck", "torcheck 1.0.1", "peers/torcheck/bench.csv",
@@ -101,8 +102,9 @@ def tool_scores(results: Path, tool: Tool, rows: list[dict]) -> dict:
     scores = aggregate(rows, passive={})
     if tool.id == SUITE:
         return scores
-    if tool.csv == TOOLS[0].csv:
-        scores["overhead_ratio"] = exclusive_overhead(read_rows(results, TOOLS[0]) + rows, tool.id)
+    if tool.id == "detect_anomaly":  # against the same cases of its own bench run with crash_triage only (no hooks)
+        plain = read_rows(results, dataclasses.replace(tool, id="crash_triage"))
+        scores["overhead_ratio"] = exclusive_overhead(plain + rows, tool.id, against="crash_triage")
     else:
         measured = results / "peers" / tool.id / "overhead.json"
         scores["overhead_ratio"] = json.loads(measured.read_text())["median_ratio"] if measured.exists() else None
@@ -160,7 +162,7 @@ def render(results: Path) -> str:
         "Written by `make bench-peers` (`python -m peers.report`). Every tool ran on the same cases: each of the "
         "faults in the recipe its manifest points to, seeds 0, 1, 2, plus the clean matrix (every recipe x the same "
         "seeds) for false positives, scored by the same code as the leaderboard (`harness/score.py`). Our suite "
-        "and anomaly mode come from results/bench.csv; each peer from results/peers/<tool>/bench.csv.",
+        "comes from results/bench.csv; anomaly mode and each peer from results/peers/<tool>/bench.csv.",
         "",
         "| tool | fault cases | clean cases | detection | false positives | Top-1 subsystem | Top-1 seam | "
         "median latency (steps) | overhead (x step time) |",
@@ -174,7 +176,7 @@ def render(results: Path) -> str:
                      f"{_fmt(s['median_latency_steps'])} | {_fmt(s['overhead_ratio'], 2)} |")
     lines += ["", "Overhead, always from one run: our suite shares the run, so its figure is the step time with its "
               "hooks over the step time without them (the bench's accounting; `make perf` measures it end to end); "
-              "anomaly mode's is its case's training time over the same bench's suite case without the hooks; each "
+              "anomaly mode's is its case's training time over the same case run without it in the same bench; each "
               "peer's comes from `python -m peers.overhead TOOL`: the clean fp32, accum and left_pad cases with and "
               "without the tool, interleaved, median time per step (results/peers/<tool>/overhead.json).", ""]
     if missing:

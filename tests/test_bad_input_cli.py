@@ -89,10 +89,12 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("argv, seeds, exclusive", [
-    (["--quick"], (0,), False), (["--quick", "--seeds", "2"], (0, 1), False), ([], (0, 1, 2), True),
+@pytest.mark.parametrize("argv, seeds, exclusive, per_subsystem", [
+    (["--quick"], (0,), False, 1), (["--quick", "--seeds", "2"], (0, 1), False, 1), ([], (0, 1, 2), False, None),
+    (["--exclusive"], (0, 1, 2), True, None), (["--detectors", "detect_anomaly"], (0, 1, 2), True, None),
+    (["--quick", "--fault", "label_permute"], (0,), False, None),
 ])
-def test_quick_honours_seeds(argv, seeds, exclusive, monkeypatch):
+def test_quick_and_exclusive_flags(argv, seeds, exclusive, per_subsystem, monkeypatch):
     seen = []
 
     def fake_run_bench(cfg):
@@ -102,7 +104,7 @@ def test_quick_honours_seeds(argv, seeds, exclusive, monkeypatch):
     monkeypatch.setattr("harness.bench.run_bench", fake_run_bench)
     with pytest.raises(_Stop):
         main(["bench", *argv])
-    assert seen[0].seeds == seeds and seen[0].exclusive == exclusive
+    assert (seen[0].seeds, seen[0].exclusive, seen[0].per_subsystem) == (seeds, exclusive, per_subsystem)
 
 
 def test_an_empty_matrix_writes_nothing(tmp_path):

@@ -75,6 +75,24 @@ def test_the_matrix_has_every_fault_per_seed_and_the_clean_matrix_of_every_targe
     assert not any(faults[f].get("not_runnable") for f in all_faults("ref"))  # every reference fault can show
 
 
+def test_the_quick_matrix_keeps_one_fault_per_subsystem_and_the_whole_clean_matrix():
+    cases, faults = build_matrix(BenchConfig(seeds=(0,), detectors=("suite",), per_subsystem=1))
+    specs = all_faults(None)
+    every = {(s.target, s.subsystem) for s in specs.values()}
+    assert sorted((m["target"], m["subsystem"]) for m in faults.values()) == sorted(every)  # each once
+    for target in ("ref", "hf"):
+        assert {c.recipe for c in cases if not c.faults and c.target == target} == set(targets.get(target).recipes())
+    assert {c.faults[0] for c in cases if c.faults} <= set(faults)
+
+
+def test_exclusive_detectors_run_only_when_asked():
+    plain, _ = build_matrix(BenchConfig(seeds=(0,), faults=("label_permute",)))
+    asked, _ = build_matrix(BenchConfig(seeds=(0,), faults=("label_permute",), exclusive=True))
+    exclusive = {d for d, cls in DETECTORS.items() if cls.exclusive}
+    assert exclusive and not any(set(c.detectors) & exclusive for c in plain)
+    assert {c.detectors for c in asked} - {c.detectors for c in plain} == {(d,) for d in exclusive}
+
+
 def test_no_recipe_narrows_the_answer_on_any_target():
     """A detector that recognises a recipe's config must not learn the fault's subsystem from it."""
     cases, faults = build_matrix(BenchConfig(seeds=(0,), detectors=("suite",)))

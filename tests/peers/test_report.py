@@ -2,7 +2,7 @@
 
 import json
 
-from harness.report import write_csv
+from harness.report import TIMING_COLUMNS, write_csv
 from peers.report import TOOLS, beats, per_fault, render, tool_scores
 
 
@@ -35,3 +35,15 @@ def test_a_peer_that_finds_what_the_suite_misses_is_credited(tmp_path):
     assert "| torcheck 1.0.1 | 3 | 1 | 0.333 | 1 | 0.333 | 0 | 0 | 1.50 |" in text
     assert "| `b` | 0/0/0 | 1/1/0 |" in text and "Faults no tool catches" in text
     assert "TrainCheck 0.2.0 (`peers/traincheck/bench.csv` is missing)" in text
+
+
+def test_anomaly_mode_is_charged_against_the_same_cases_of_its_own_bench(tmp_path):
+    # its bench runs each case twice: with crash_triage only (no step hooks) and in anomaly mode
+    plain = [_row("crash_triage", "a", s, False, train_s=1.0) for s in (0, 1)]
+    anomaly = [_row("detect_anomaly", "a", 0, False, train_s=3.0), _row("detect_anomaly", "a", 1, False, train_s=2.0)]
+    write_csv(tmp_path / "peers" / "detect_anomaly" / "bench.csv", plain + anomaly)
+    write_csv(tmp_path / "peers" / "detect_anomaly" / "timings.csv", plain + anomaly, TIMING_COLUMNS)
+    write_csv(tmp_path / "bench.csv", [_row("suite", "a", s, True, train_s=9.0) for s in (0, 1)])  # another run
+
+    tool = next(t for t in TOOLS if t.id == "detect_anomaly")
+    assert tool_scores(tmp_path, tool, anomaly)["overhead_ratio"] == 2.5  # median of 3.0 and 2.0 over 1.0
