@@ -1,0 +1,141 @@
+"""Does the training run behave like the healthy one now? (the `check.py` of a practice exercise)
+
+    python check.py            run train.py as the colleague did; compare with healthy_run.json
+    python check.py --seams    list the functions of model/ by subsystem, with file:line as the files are now
+
+Exit code 0: the run behaves like the healthy run; 1: something still differs (listed); 2: the check
+cannot run (a file missing or not valid Python, train.py refusing its command line or failing to import).
+Uses only the Python standard library and this folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LOSS_TOL = 2e-4  # train.py prints 4 decimals
+TIMEOUT_S = 600
+CANNOT_START = ("ImportError", "ModuleNotFoundError", "SyntaxError", "IndentationError", "NameError")
+
+
+def seam_listing(root: Path = HERE) -> list[tuple[str, str, str, int | None]]:
+    """(name, subsystem, file, line of its ``def``; None if it is gone) for every function model/seams.py lists,
+    read from the files as they are (the listing follows the candidate's edits)."""
+    table = next(node.value for node in ast.parse((root / "model" / "seams.py").read_text()).body
+                 if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "SEAMS")
+    out = []
+    for name, subsystem in ast.literal_eval(table).items():
+        _, module, *qualname = name.split(".")
+        path = root / "model" / f"{module}.py"
+        out.append((name, subsystem, f"model/{module}.py", _def_line(path.read_text(), qualname)))
+    return out
+
+
+def _def_line(source: str, qualname: list[str]) -> int | None:
+    """The line of the ``def`` reached by ``qualname`` (classes, then the function), None if absent."""
+    node: ast.AST = ast.parse(source)
+    for part in qualname:
+        node = next((c for c in getattr(node, "body", []) if isinstance(c, (ast.ClassDef, ast.FunctionDef))
+                     and c.name == part), None)
+        if node is None:
+            return None
+    return node.lineno
+
+
+def parse_log(log: str) -> dict:
+    """The numbers a run's log reports: per-step losses, the validation loss, the cached-decoding gap."""
+    losses, validation, generation = [], None, None
+    for line in log.splitlines():
+        words = line.split()
+        if line.startswith("step ") and len(words) > 3:
+            losses.append(float(words[3]))
+        elif line.startswith("validation loss "):
+            validation = float(words[2])
+        elif line.startswith("generation: "):
+            generation = float(words[-1])
+    return {"losses": losses, "validation": validation, "generation": generation}
+
+
+def differences(run: dict, healthy: dict, finished: bool = True) -> list[str]:
+    """How a parsed run differs from the healthy one (empty: it behaves the same); for a run that did not
+    finish, only in the steps it logged."""
+    out = []
+    pairs = list(zip(run["losses"], healthy["losses"], strict=False))
+    step = next((i for i, (a, b) in enumerate(pairs) if not abs(a - b) <= LOSS_TOL), None)
+    if step is not None:
+        out.append(f"the training loss differs from a healthy run from step {step} "
+                   f"({pairs[step][0]:.4f}, healthy {pairs[step][1]:.4f})")
+    if not finished:
+        return out
+    if step is None and len(run["losses"]) != len(healthy["losses"]):
+        out.append(f"{len(run['losses'])} steps logged, a healthy run logs {len(healthy['losses'])}")
+    if healthy["validation"] is not None and not (run["validation"] is not None
+                                                  and abs(run["validation"] - healthy["validation"]) <= LOSS_TOL):
+        out.append(f"validation loss {run['validation']}, a healthy run reaches {healthy['validation']:.4f}")
+    if healthy["generation"] is not None and not (run["generation"] is not None
+                                                  and run["generation"] <= max(1e-4, 10 * healthy["generation"])):
+        out.append(f"cached decoding differs from the full forward by {run['generation']} "
+                   f"(healthy: {healthy['generation']:.1e})")
+    return out
+
+
+def run_train(args: list[str]) -> tuple[str, int | None]:
+    """train.py's output and exit code (None: it did not finish in time)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    try:
+        proc = subprocess.run([sys.executable, "train.py", *args], cwd=HERE, env=env, capture_output=True,
+                              text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return "", None
+    return proc.stdout + proc.stderr, proc.returncode
+
+
+def check() -> tuple[int, list[str]]:
+    """(exit code, what to print): run train.py as the colleague did and compare it with the healthy run."""
+    sources = [HERE / "train.py", *sorted((HERE / "model").glob("*.py"))]
+    if not (HERE / "train.py").exists() or not (HERE / "healthy_run.json").exists():
+        return 2, ["cannot run: train.py or healthy_run.json is missing"]
+    for path in sources:
+        try:
+            compile(path.read_bytes(), str(path), "exec")
+        except (SyntaxError, ValueError) as exc:
+            return 2, [f"cannot run: {path.relative_to(HERE)} is not valid Python: {exc}"]
+    healthy = json.loads((HERE / "healthy_run.json").read_text())
+    log, code = run_train(healthy["args"])
+    if code is None:
+        return 1, [f"train.py did not finish within {TIMEOUT_S} s (it hangs)"]
+    run = parse_log(log)
+    last = log.strip().splitlines()[-1] if log.strip() else "(no output)"
+    if code != 0 and not run["losses"] and (code == 2 or last.startswith(CANNOT_START)):
+        return 2, [f"cannot run: train.py exited with {code}: {last}"]
+    problems = [f"train.py crashes (exit code {code}): {last}"] if code else []
+    problems += differences(run, healthy, finished=not code)
+    return (1, problems) if problems else (0, [])
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--seams"]:
+        for name, subsystem, file, line in seam_listing():
+            print(f"{subsystem:12s} {name:48s} {file}:{line if line is not None else '(not found)'}")
+        return 0
+    if argv:
+        print(f"usage: python check.py [--seams] (got {' '.join(argv)})", file=sys.stderr)
+        return 2
+    code, lines = check()
+    if code == 2:
+        print(lines[0])
+        return code
+    print("FAIL: the run still differs from a healthy one:" if code else "PASS: the run behaves like the healthy one")
+    for line in lines:
+        print(f"  - {line}")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
