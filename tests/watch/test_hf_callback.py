@@ -1,0 +1,69 @@
+"""``FaultbenchCallback`` on the HF target's Trainer runs: silent on clean runs, and the top finding in the fault's
+subsystem on faults of three subsystems (optimizer, collate, eval). Each run trains once per module (~3 s)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+
+import targets
+
+torch.set_num_threads(1)
+targets.get("hf")  # sets HF_HUB_OFFLINE before transformers is imported
+
+from faultbench.hf import FaultbenchCallback  # noqa: E402
+from faults.inject import injected  # noqa: E402
+from faults.registry import get_fault  # noqa: E402
+from targets.hf.recipes import RECIPES  # noqa: E402
+from targets.hf.run import build_run  # noqa: E402
+
+# fault -> (recipe, where the top finding must point)
+FAULTS = {
+    "hf_missing_zero_grad": ("fp32", "optimizer"),
+    "hf_pad_labels_not_ignored": ("fp32", "batch"),
+    "hf_pad_side_mismatch": ("left_pad", "batch"),
+    "hf_eval_in_train_mode": ("fp32", "eval"),
+}
+
+
+@functools.cache
+def trained(recipe: str, fault: str | None, tmp: str):
+    """(callback, run) of a Trainer run of ``recipe`` (with ``fault`` injected), evaluating at its 8th step."""
+    with injected(fault) if fault else contextlib.nullcontext():
+        run = build_run(RECIPES[recipe], 0, f"{tmp}/{recipe}-{fault}")
+        run.trainer.args.eval_strategy, run.trainer.args.eval_steps = "steps", 8  # an evaluation inside train()
+        callback = FaultbenchCallback(report=False)
+        run.trainer.add_callback(callback)
+        run.trainer.train()
+    return callback, run
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hf_callback"))
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "left_pad"])
+def test_the_callback_is_silent_on_clean_runs(recipe, tmp):
+    callback, run = trained(recipe, None, tmp)
+    watch = callback.watch
+    assert watch.ctx.step == RECIPES[recipe].steps and not watch.attached
+    assert watch.findings == [], [f"{f.detector}: {f.message}" for f in watch.findings]
+    assert watch.errors == {}
+    # the monitors that apply to a Trainer run did run
+    assert {"bb_lr_shape", "bb_grads_cleared", "bb_pad_ids", "bb_eval_mode"}.isdisjoint(watch.not_applicable)
+    assert any("eval_loss" in log for log in run.trainer.state.log_history)  # eval forwards were watched too
+    assert watch.ctx.scheduler is run.trainer.lr_scheduler and all(r.lrs for r in watch.ctx.history)
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_the_callback_names_the_faults_subsystem_first(fault, tmp):
+    recipe, where = FAULTS[fault]
+    watch = trained(recipe, fault, tmp)[0].watch
+    assert watch.findings, f"{fault}: no finding"
+    top = watch.findings[0]
+    assert (top.subsystem, top.where) == (get_fault(fault).subsystem, where), [
+        f"{f.detector} [{f.subsystem}] {f.where}: {f.message}" for f in watch.findings]
