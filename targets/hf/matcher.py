@@ -11,7 +11,7 @@ neither list is essential and must match exactly. An HF variant holds ``Recipe``
 
 from __future__ import annotations
 
-from targets.hf.recipes import RECIPES, Recipe
+from targets.hf.recipes import RECIPES, Recipe, scenario_recipe
 
 TUNING = {
     "": {"steps", "batch_size", "lr", "warmup_steps", "weight_decay", "max_grad_norm"},
@@ -23,10 +23,11 @@ TUNING = {
 # essential keys whose value matters only as on/off (accumulating 2 or 4 micro-batches is the same code path)
 SWITCHES = {("", "accum"): lambda v: v > 1, ("model", "attention_dropout"): lambda v: v > 0,
             ("", "world_size"): lambda v: v > 1}
-RESUME = ("run", "resume")
+# what a run does beyond its fields, derived from a manifest's scenario, steps and corpus (as the reference's)
+RESUME, EPOCH = ("run", "resume"), ("run", "crosses_epoch")
 # what a recipe can switch on beyond the plain fp32 run: the keys ``features`` counts
 PATHS = (("", "precision"), ("", "padding_side"), ("", "accum"), ("", "world_size"), ("model", "attention_dropout"),
-         ("model", "attn_implementation"), RESUME)
+         ("model", "attn_implementation"), RESUME, EPOCH)
 _MISSING = object()
 
 
@@ -39,6 +40,8 @@ def has(recipe: Recipe, need: tuple[str, str]):
     """The recipe's value for one of ``needs``'s keys (None: the recipe has no such field)."""
     if need == RESUME:
         return recipe.resume_at is not None
+    if need == EPOCH:
+        return recipe.crosses_epoch
     section, key = need
     holder = recipe if section == "" else getattr(recipe, section, None)
     value = getattr(holder, key, _MISSING)
@@ -60,7 +63,7 @@ def needs(manifest) -> dict[tuple[str, str], object]:
     """What a recipe must have for the fault to show: (section, key) -> value (on/off for a switch).
 
     ``"recipe": name`` needs what that recipe switches on beyond fp32; the ``resume`` and ``ddp`` scenarios
-    need a resume and ranks."""
+    need a resume and ranks, a run longer than an epoch of its corpus needs a recipe that crosses an epoch."""
     variant = dict(manifest.variant)
     out = {}
     base = variant.pop("recipe", None)
@@ -75,7 +78,18 @@ def needs(manifest) -> dict[tuple[str, str], object]:
         out[RESUME] = True
     if manifest.scenario in ("ddp", "ddp_resume"):
         out[("", "world_size")] = True
+    if _crosses_epoch(manifest):
+        out[EPOCH] = True
     return out
+
+
+def _crosses_epoch(manifest) -> bool:
+    """Whether the manifest's run is longer than an epoch of its corpus; False for a variant no recipe can be
+    built from (an unknown recipe, field or value: needs that no recipe meets already)."""
+    try:
+        return scenario_recipe(manifest.variant, manifest.steps).crosses_epoch
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def features(recipe: Recipe) -> int:

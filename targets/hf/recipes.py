@@ -7,8 +7,9 @@ a GradScaler: ``Accelerator.native_amp`` is False off-GPU, so the run is fp32 un
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from harness.case import SMALL_EPOCH, train_docs
 from model.config import DataConfig, get_preset
 from targets.hf.modeling import ModelSpec
 
@@ -45,6 +46,12 @@ class Recipe:
         """per_device_train_batch_size: documents per forward on one rank."""
         return self.batch_size // (self.accum * self.world_size)
 
+    @property
+    def crosses_epoch(self) -> bool:
+        """Whether the run takes more optimizer steps than one epoch of its training split holds (the sampler then
+        reshuffles: ``set_epoch``); the epoch's last, short batch is a step of its own (Trainer keeps it)."""
+        return self.steps > -(-train_docs(self.data) // self.batch_size)
+
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("fp32"),
@@ -55,7 +62,22 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("eager", model=ModelSpec(attn_implementation="eager")),  # the eager attention and mask path
     Recipe("ddp", accum=2, world_size=2),
     # what real runs combine, and where bugs of the combination live: bf16 autocast, left padding, the eager
-    # attention and its additive mask, accumulation, attention dropout and a resume mid-run
+    # attention and its additive mask, accumulation, attention dropout, a resume mid-run and, as in the
+    # reference's combined recipe, the small corpus: its 143 training documents make an epoch of 9 steps (the
+    # last one short), so the sampler reshuffles after the resume
     Recipe("combined", steps=12, accum=2, precision="bf16", padding_side="left", resume_at=6,
-           model=ModelSpec(attention_dropout=0.1, attn_implementation="eager")),
+           model=ModelSpec(attention_dropout=0.1, attn_implementation="eager"),
+           data=replace(get_preset("tiny").data, **SMALL_EPOCH)),
 )}
+
+
+def scenario_recipe(variant: dict, steps: int, world_size: int = 1) -> Recipe:
+    """The ``fp32`` recipe (or ``variant["recipe"]``) with ``variant``'s fields, ``steps`` and ``world_size``."""
+    fields = dict(variant)
+    base = RECIPES[fields.pop("recipe", "fp32")]
+    model, data = fields.pop("model", {}), fields.pop("data", {})
+    recipe = replace(base, steps=steps, warmup_steps=min(base.warmup_steps, steps), world_size=world_size,
+                     model=replace(base.model, **model), data=replace(base.data, **data), **fields)
+    if world_size > 1 and recipe.accum == 1:  # the DDP recipe's shape: accumulation under no_sync too
+        recipe = replace(recipe, accum=2)
+    return recipe

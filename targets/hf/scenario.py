@@ -27,7 +27,6 @@ The outcome is a dict of ``harness.scenario.Outcome``'s fields; a crash is an ou
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 
 from targets.hf.case import crash_record
 from targets.hf.hooks import checkpoint_dir, train
-from targets.hf.recipes import RECIPES, Recipe
+from targets.hf.recipes import Recipe, scenario_recipe
 from targets.hf.run import EVAL_DOCS, HFRun, build_run, evaluate
 
 SCENARIOS = ("train", "generate", "resume", "ddp")
@@ -44,19 +43,6 @@ PROMPT_LENGTHS = (3, 5, 4, 6)  # left-padded prompts of different lengths: paddi
 NEW_TOKENS = 8
 FAR_SHIFT = 1024  # a long-context position offset: bf16's spacing there is 8, so a position rounded to bf16 moves
 EOS_DOCS = 256  # documents of the EOS probe: enough that the rare over-long ones (~1%) are among them
-
-
-def scenario_recipe(variant: dict, steps: int, world_size: int = 1) -> Recipe:
-    """The ``fp32`` recipe (or ``variant["recipe"]``) with ``variant``'s fields, ``steps`` and ``world_size``."""
-    fields = dict(variant)
-    base = RECIPES[fields.pop("recipe", "fp32")]
-    model, data = fields.pop("model", {}), fields.pop("data", {})
-    recipe = dataclasses.replace(base, steps=steps, warmup_steps=min(base.warmup_steps, steps),
-                                 world_size=world_size, model=dataclasses.replace(base.model, **model),
-                                 data=dataclasses.replace(base.data, **data), **fields)
-    if world_size > 1 and recipe.accum == 1:  # the DDP recipe's shape: accumulation under no_sync too
-        recipe = dataclasses.replace(recipe, accum=2)
-    return recipe
 
 
 def _outcome() -> dict:
