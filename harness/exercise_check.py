@@ -28,17 +28,19 @@ def seam_listing(root: Path = HERE) -> list[tuple[str, str, str, int | None]]:
     read from the files as they are (the listing follows the candidate's edits)."""
     table = next(node.value for node in ast.parse((root / "model" / "seams.py").read_text()).body
                  if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "SEAMS")
+    trees: dict[str, ast.Module] = {}
     out = []
     for name, subsystem in ast.literal_eval(table).items():
         _, module, *qualname = name.split(".")
-        path = root / "model" / f"{module}.py"
-        out.append((name, subsystem, f"model/{module}.py", _def_line(path.read_text(), qualname)))
+        file = f"model/{module}.py"
+        if file not in trees:
+            trees[file] = ast.parse((root / file).read_text())
+        out.append((name, subsystem, file, _def_line(trees[file], qualname)))
     return out
 
 
-def _def_line(source: str, qualname: list[str]) -> int | None:
+def _def_line(node: ast.AST, qualname: list[str]) -> int | None:
     """The line of the ``def`` reached by ``qualname`` (classes, then the function), None if absent."""
-    node: ast.AST = ast.parse(source)
     for part in qualname:
         node = next((c for c in getattr(node, "body", []) if isinstance(c, (ast.ClassDef, ast.FunctionDef))
                      and c.name == part), None)

@@ -1,0 +1,115 @@
+"""Practice exercises are leak-free: every reference fault spliced into a standalone folder (no training).
+
+The HF target's faults replace functions of the installed transformers: they cannot be spliced into a
+copy a candidate could be handed, so practice refuses them (tested below) and this file covers the
+reference's faults only.
+"""
+
+import ast
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from faults.registry import all_faults
+from harness.exercise_docs import AUTHOR_DOCS, STALE_DOCSTRING
+from harness.practice import build_folder, choose_fault, uniform_mtimes
+
+FAULTS = all_faults("ref")
+WHEN = 1_700_000_000  # any fixed time
+# the fault machinery and the words of its registry (any case): none may appear in a candidate's folder
+MACHINERY = (r"\bfaults?\b", "inject", "faultbench", "harness", "registry", "splic", "manifest")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """One splice-only exercise folder per reference fault, with uniform mtimes."""
+    root = tmp_path_factory.mktemp("exercises")
+    out = {}
+    for fault_id in sorted(FAULTS):
+        out[fault_id] = build_folder(root / fault_id, fault_id)
+        uniform_mtimes(out[fault_id], WHEN)
+    return out
+
+
+def _text_files(folder: Path) -> dict[Path, str]:
+    return {p: p.read_text() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
+def test_folder_names_neither_the_fault_nor_the_machinery(folders, fault_id):
+    spec = FAULTS[fault_id]
+    secrets = re.compile("|".join(f"(?:{s})" for s in (re.escape(fault_id), re.escape(spec.title), *MACHINERY)),
+                         re.IGNORECASE)
+    for path, text in _text_files(folders[fault_id]).items():
+        found = secrets.search(text)
+        assert not found, f"{path.name}: {text[max(0, found.start() - 60):found.end() + 60]!r}"
+
+
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
+def test_every_file_and_folder_has_the_same_mtime(folders, fault_id):
+    folder = folders[fault_id]
+    times = {p.relative_to(folder): p.stat().st_mtime for p in [folder, *folder.rglob("*")]}
+    assert set(times.values()) == {WHEN}, {p: t for p, t in times.items() if t != WHEN}
+    assert not list(folder.rglob("__pycache__")) and not (folder / ".cache").exists()
+
+
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
+def test_seam_listing_is_computed_from_the_copy(folders, fault_id):
+    """Every listed file:line is the ``def`` of the listed function in the copy, the replaced ones included
+    (their line moves when the buggy body is longer or shorter than the clean one)."""
+    folder = folders[fault_id]
+    listing = runpy.run_path(str(folder / "check.py"))["seam_listing"](folder)
+    assert {name for name, *_ in listing} >= set(FAULTS[fault_id].seams)
+    for name, _, file, line in listing:
+        assert line is not None, name
+        assert re.match(rf"\s*def {re.escape(name.rsplit('.', 1)[-1])}\(", (folder / file).read_text()
+                        .splitlines()[line - 1]), f"{name} listed at {file}:{line}"
+
+
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
+def test_replaced_functions_carry_their_authors_docstring(folders, fault_id):
+    """The author's docstring by default; the seam's own (a stale contract) only where the fault keeps it on
+    purpose; every reference fault is in exactly one of the two tables."""
+    import inspect
+
+    from model.seams import resolve
+
+    assert (fault_id in AUTHOR_DOCS) != (fault_id in STALE_DOCSTRING)
+    for seam in FAULTS[fault_id].seams:
+        _, module, qualname = seam.split(".", 2)
+        tree = ast.parse((folders[fault_id] / "model" / f"{module}.py").read_text())
+        node = tree
+        for part in qualname.split("."):
+            node = next(c for c in node.body if isinstance(c, (ast.ClassDef, ast.FunctionDef)) and c.name == part)
+        seam_doc = inspect.getdoc(inspect.unwrap(resolve(seam)))
+        doc = AUTHOR_DOCS[fault_id] if fault_id in AUTHOR_DOCS else seam_doc
+        expected = doc.get(seam) if isinstance(doc, dict) else doc
+        assert ast.get_docstring(node) == expected
+
+
+def test_the_folder_runs_without_the_checkout(folders):
+    """``python check.py --seams`` in the folder, with nothing of the checkout on the path, lists the copy."""
+    folder = folders["rope_rotation_sign"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-I", "check.py", "--seams"], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if " model.rope.apply_rope " in x)
+    listed = runpy.run_path(str(folder / "check.py"))["seam_listing"](folder)
+    assert line.endswith(next(f"{f}:{n}" for name, _, f, n in listed if name == "model.rope.apply_rope"))
+
+
+def test_hf_faults_are_refused_with_the_reason(monkeypatch):
+    """A fault of another target (an HF one: loading the real ones imports transformers, 13 s) is refused."""
+    import dataclasses
+
+    hf_like = dataclasses.replace(FAULTS["label_permute"], id="hf_label_permute", target="hf")
+    monkeypatch.setattr("harness.practice.get_fault", lambda fault_id: hf_like)
+    with pytest.raises(ValueError, match="cannot be spliced into a standalone copy"):
+        choose_fault(None, "hf_label_permute", None, None)
+    assert all(FAULTS[choose_fault(seed, None, None, None)].target == "ref" for seed in range(10))
