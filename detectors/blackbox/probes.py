@@ -43,20 +43,14 @@ class ProbeResult:
     evidence: dict = field(default_factory=dict)
 
 
-def tolerance(lm: CausalLM) -> float:
-    """Relative logit change allowed by rounding in the model's dtype (fp32: 1e-4, bf16: ~0.06)."""
-    dtype = next((p.dtype for p in lm.model.parameters() if p.is_floating_point()), torch.float32)
-    return max(1e-4, 8 * torch.finfo(dtype).eps)
-
-
-def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| relative to a's scale (at least 1); inf when only one side is non-finite."""
+def relative_gap(a: torch.Tensor, b: torch.Tensor, floor: float = 1.0) -> float:
+    """max |a - b| relative to a's scale (at least ``floor``); inf when only one side is non-finite."""
     if a.numel() == 0:
         return 0.0
     a, b = a.float(), b.float()
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return 0.0 if torch.equal(torch.isfinite(a), torch.isfinite(b)) else math.inf
-    return float((a - b).abs().max() / max(1.0, float(a.abs().max())))
+    return float((a - b).abs().max() / max(floor, float(a.abs().max())))
 
 
 # ---- tracing: what every submodule took and gave during one forward ----
@@ -96,6 +90,13 @@ def traced(model: torch.nn.Module):
             h.remove()
 
 
+def tolerance(calls: list[_Call]) -> float:
+    """Relative logit change allowed by rounding in the dtype the traced forward computed in: the least precise
+    of its modules' float outputs (bf16 under an autocast that wraps the model's forward). fp32: 1e-4, bf16: 0.03."""
+    dtypes = {t.dtype for c in calls for t in c.outputs if t.is_floating_point()} or {torch.float32}
+    return max(1e-4, 4 * max(torch.finfo(d).eps for d in dtypes))
+
+
 Region = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
@@ -104,7 +105,8 @@ def _pairs_gap(xs, ys, region_a: Region, region_b: Region) -> float:
     for x, y in zip(xs, ys, strict=False):  # a module may return more tensors in one run (a cache)
         ra, rb = region_a(x), region_b(y)
         if ra is not None and rb is not None and ra.shape == rb.shape:
-            gaps.append(relative_gap(ra, rb) if ra.is_floating_point() else float(not torch.equal(ra, rb)))
+            # a module's own scale: a small attention output moves little in absolute terms
+            gaps.append(relative_gap(ra, rb, 1e-6) if ra.is_floating_point() else float(not torch.equal(ra, rb)))
     return max(gaps)
 
 
@@ -146,16 +148,20 @@ def _rows(shape: tuple[int, int], take: Callable[[torch.Tensor], torch.Tensor]) 
 
 # ---- crafting inputs from the user's batch ----
 
+class ShortBatch(NotApplicable):
+    """The batch at hand holds too few real tokens to probe; a later batch may do."""
+
+
 def real_block(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """(B', L) real tokens of the user's batch: up to MAX_ROWS rows, each cut to the shortest row's real
-    length (at most MAX_LEN), pads dropped wherever the row's pads were."""
-    rows = []
-    for i in range(min(MAX_ROWS, input_ids.shape[0])):
-        row = input_ids[i] if attention_mask is None else input_ids[i][attention_mask[i].bool()]
-        rows.append(row)
-    length = min(MAX_LEN, *(len(r) for r in rows))
+    """(B', L) real tokens of the user's batch, pads dropped wherever they were: its longest rows (up to
+    MAX_ROWS, none shorter than half the longest), all cut to the shortest of them (at most MAX_LEN)."""
+    rows = [input_ids[i] if attention_mask is None else input_ids[i][attention_mask[i].bool()]
+            for i in range(input_ids.shape[0])]
+    rows = sorted(rows, key=len, reverse=True)[:MAX_ROWS]
+    rows = [r for r in rows if len(r) >= len(rows[0]) // 2]
+    length = min(MAX_LEN, len(rows[-1]))
     if length < 4:
-        raise NotApplicable(f"the batch's rows hold {length} real tokens: too few to probe")
+        raise ShortBatch(f"the batch's longest rows hold {length} real tokens: too few to probe")
     return torch.stack([r[:length] for r in rows])
 
 
@@ -205,10 +211,11 @@ def causality(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tenso
     if lm.takes_attention_mask:
         (padded, mask), (padded_changed, _) = pad(ids, int(ids[0, 0]), "left"), pad(changed, int(ids[0, 0]), "left")
         variants["left_padded"] = (padded, padded_changed, mask, PAD_LEN)
-    tol, gaps, worst = tolerance(lm), {}, None
+    tol, gaps, worst = math.inf, {}, None
     for name, (a_ids, b_ids, mask, offset) in variants.items():
         a, b, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, a_ids, mask),
                                           functools.partial(lm.logits, b_ids, mask))
+        tol = min(tol, tolerance(calls_a))
         gaps[name] = relative_gap(a[:, offset: offset + cut], b[:, offset: offset + cut])
         if gaps[name] > tol and worst is None:
             region = _rows(tuple(a_ids.shape), lambda t, o=offset: t[:, o: o + cut])
@@ -229,7 +236,7 @@ def padding_invariance(lm: CausalLM, input_ids: torch.Tensor, attention_mask: to
         raise NotApplicable("the model takes no attention_mask: padding cannot be masked")
     ids = real_block(input_ids, attention_mask)
     pad_id = int(ids[0, 0]) if pad_id is None else pad_id
-    length, tol = ids.shape[1], tolerance(lm)
+    length, tol = ids.shape[1], math.inf
     gaps, traces = {}, {}
     for side in ("left", "right"):
         padded, mask = pad(ids, pad_id, side)
@@ -237,6 +244,7 @@ def padding_invariance(lm: CausalLM, input_ids: torch.Tensor, attention_mask: to
         alone, got, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, ids),
                                                 functools.partial(lm.logits, padded, mask))
         gaps[side] = relative_gap(alone, got[:, start: start + length])
+        tol = min(tol, tolerance(calls_a))
         traces[side] = (calls_a, calls_b, tuple(padded.shape), start)
     if max(gaps.values()) <= tol:
         return None
@@ -267,10 +275,11 @@ def cache_consistency(lm: CausalLM, input_ids: torch.Tensor, attention_mask: tor
     variants = {"unpadded": (ids, None, 0)}
     if lm.takes_attention_mask:
         variants["left_padded"] = (*pad(ids, int(ids[0, 0]), "left"), PAD_LEN)
-    tol, gaps = tolerance(lm), {}
+    tol, gaps = math.inf, {}
     for name, (v_ids, mask, start) in variants.items():
         full, decoded, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, v_ids, mask),
                                                    functools.partial(lm.decode_with_cache, v_ids, mask))
+        tol = min(tol, tolerance(calls_a))
         if decoded is None:
             raise NotApplicable("the model accepts cache arguments but hands no cache back")
         gaps[name] = [relative_gap(full[:, t], decoded[:, t]) for t in range(start, v_ids.shape[1])]
@@ -314,7 +323,7 @@ def position_shift(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.
     if any(isinstance(m, torch.nn.Embedding) and any(t is moved for t in c.inputs)
            for c in calls_b for m in [lm.model.get_submodule(c.name)]):
         raise NotApplicable("the model looks its position ids up in a learned table (absolute positions)")
-    gap, tol = relative_gap(a, b), tolerance(lm)
+    gap, tol = relative_gap(a, b), tolerance(calls_a)
     if gap <= 10 * tol:  # rotary tables are recomputed at other angles: rounding grows a little
         return None
     region = _rows(tuple(ids.shape), lambda t: t)
@@ -342,15 +351,15 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
 
 def _explains(loss: float, total: float, count: int, tol: float) -> bool:
     """The loop's ``loss`` is this NLL up to its usual normalizations: the mean divided by an integer
-    accumulation factor (1..64), or the sum divided by an integer token count at least ``count`` (a count
-    over the whole accumulation window)."""
+    accumulation factor (1..64), or the sum divided by an integer token count (a count over the whole
+    accumulation window, or one the loop took from its own reading of the labels)."""
     if count == 0 or loss <= 0:
         return False
     factor = (total / count) / loss
     if round(factor) in range(1, 65) and abs(factor - round(factor)) <= tol * factor:
         return True
     tokens = total / loss
-    return round(tokens) >= count and abs(tokens - round(tokens)) <= tol * tokens
+    return round(tokens) >= 1 and abs(tokens - round(tokens)) <= tol * tokens
 
 
 def label_alignment(batch: dict, logits: torch.Tensor, loss: torch.Tensor | float | None,
@@ -396,7 +405,8 @@ class _ActiveProbe(BlackBoxDetector):
 
     def on_after_step(self, ctx, record) -> None:
         if record.step == 1:
-            self._run(ctx)
+            with contextlib.suppress(ShortBatch):  # the end's batch may be longer
+                self._run(ctx)
 
     def on_end(self, ctx) -> None:
         if not self.findings:
@@ -459,11 +469,12 @@ class BlackBoxLabelAlignment(BlackBoxDetector):
     id = "bb_label_alignment"
     family = "loss"
     description = "the loop's loss vs the next-token and the own-token NLL computed from the same forward's logits"
-    CHECKS = 4  # training forwards compared at most: the first decisive one settles it
+    CHECKS = 6  # training forwards compared at most
+    CONFIRM = 2  # forwards whose loss must read as own-token NLL: one integer coincidence does not fire
 
     def __init__(self) -> None:
         super().__init__()
-        self.checked = 0
+        self.checked, self.verdicts = 0, []
 
     def on_forward(self, ctx, batch, logits, loss) -> None:
         if self.checked >= self.CHECKS or loss is None or logits is None or "input_ids" not in batch:
@@ -472,6 +483,8 @@ class BlackBoxLabelAlignment(BlackBoxDetector):
         with torch.no_grad():
             result = label_alignment(batch, logits, loss)
         if result is not None:
+            self.verdicts.append(result)
+        if len(self.verdicts) == self.CONFIRM:
             self.checked = self.CHECKS
             self.report(ctx, result.subsystem, result.where, result.message, {"gap": result.gap, **result.evidence},
                         confidence=0.85)

@@ -90,10 +90,12 @@ def test_label_alignment_on_hf_ignores_masked_labels_and_window_token_counts(see
     for num_items in (None, torch.tensor(150)):  # Trainer's count over an accumulation window
         out = model(input_ids=x, labels=labels, num_items_in_batch=num_items)
         assert probes.label_alignment({"input_ids": x, "labels": labels}, out.logits, out.loss) is None
-    with injected("hf_label_shift_off_by_one"):
-        out = model(input_ids=x, labels=labels)
-    result = probes.label_alignment({"input_ids": x, "labels": labels}, out.logits, out.loss)
-    assert (result.subsystem, result.where) == ("loss", "loss")
+    shifted_count = torch.tensor(int((labels[:, 1:] != -100).sum()))  # what Trainer counts as num_items
+    for num_items in (None, shifted_count):
+        with injected("hf_label_shift_off_by_one"):
+            out = model(input_ids=x, labels=labels, num_items_in_batch=num_items)
+        result = probes.label_alignment({"input_ids": x, "labels": labels}, out.logits, out.loss)
+        assert (result.subsystem, result.where) == ("loss", "loss")
 
 
 HF_FAULTS = [  # fault, the probe that must see it, its subsystem
