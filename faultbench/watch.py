@@ -24,6 +24,7 @@ import inspect
 import json
 import math
 import sys
+import time
 import traceback
 import types
 from pathlib import Path
@@ -115,6 +116,13 @@ class Watch:
         self._fresh = True  # no backward yet since the last optimizer step
         self._backward_sq: dict[int, torch.Tensor] = {}
         self._before: dict = {}
+        self._scale: float | None = None  # the scaler's scale when last read
+        self._skips_recorded = 0  # ctx.skipped_steps at the last StepRecord
+        # seconds per detector in the loop's steps (passive hooks: the overhead) and elsewhere (start, end, probes),
+        # and the watch's own hook time under "watch"
+        self.step_seconds: dict[str, float] = {}
+        self.other_seconds: dict[str, float] = {}
+        self._fired_s = 0.0
 
     # ---- public
     @property
@@ -159,6 +167,7 @@ class Watch:
     def __exit__(self, exc_type, exc, tb) -> bool:
         try:
             if exc is None:
+                self._guard(self._track_scale)()  # a skip at the last step shows only in the scale after it
                 self._fire("on_end", self.ctx)
             else:
                 self._fire("on_crash", self.ctx, _crash(exc))
@@ -193,10 +202,13 @@ class Watch:
         def hook(*args):
             if self.ctx.probing:
                 return None
+            start, fired = time.perf_counter(), self._fired_s
             try:
                 fn(*args)
             except Exception as e:  # the user's loop must go on: report it instead
                 self.errors.setdefault(f"watch.{fn.__name__.lstrip('_')}", f"{type(e).__name__}: {e}")
+            own = time.perf_counter() - start - (self._fired_s - fired)
+            self.step_seconds["watch"] = self.step_seconds.get("watch", 0.0) + own
             return None
 
         return hook
@@ -208,6 +220,7 @@ class Watch:
         batch, self._pending = self._pending or {}, None
         logits, loss = split_output(output)
         if torch.is_grad_enabled() and module.training:
+            self._track_scale()
             self._micro += 1
             if loss is not None and loss.numel() == 1:
                 self._losses.append(float(loss.detach()))
@@ -215,6 +228,16 @@ class Watch:
             self._fire("on_forward", self.ctx, batch, logits, loss)
         else:
             self._fire("on_eval_forward", self.ctx, batch, logits)
+
+    def _track_scale(self) -> None:
+        """Count the scaler's skipped steps: each skip halves its scale (backoff) before the next forward, and a
+        skipped step fires no optimizer hook, so the scale is read at every training forward and step."""
+        if not self.ctx.scaler_enabled:
+            return
+        scale = float(self.ctx.scaler.get_scale())
+        if self._scale is not None and scale < self._scale:
+            self.ctx.skipped_steps += round(math.log2(self._scale / scale))
+        self._scale = scale
 
     def _grad_arrives(self, grad) -> None:
         """The first gradient of the first backward after a step: does any .grad still hold the previous step's?"""
@@ -240,9 +263,8 @@ class Watch:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         ctx, before = self.ctx, self._before
-        previous = ctx.history[-1].scale if ctx.history else None
-        skipped = (round(math.log2(previous / before["scale"])) if previous and before["scale"]
-                   and before["scale"] < previous else 0)
+        self._track_scale()
+        skipped, self._skips_recorded = ctx.skipped_steps - self._skips_recorded, ctx.skipped_steps
         loss = sum(self._losses) / len(self._losses) if self._losses else None
         ctx.step += 1
         record = StepRecord(ctx.step, loss, before["lrs"], before["grad_norm"], before["backward_norm"],
@@ -259,12 +281,21 @@ class Watch:
                 continue
             if getattr(type(det), hook) is getattr(BlackBoxDetector, hook):
                 continue
+            start = time.perf_counter()
             try:
                 getattr(det, hook)(*args)
             except NotApplicable as e:
                 self.not_applicable[det.id] = str(e)
             except Exception as e:  # a detector's bug must not break the user's loop
                 self.errors[det.id] = f"{hook}: {type(e).__name__}: {e}"
+            finally:
+                seconds = time.perf_counter() - start
+                self._fired_s += seconds
+                timer = self.step_seconds if det.passive and hook in _STEP_HOOKS else self.other_seconds
+                timer[det.id] = timer.get(det.id, 0.0) + seconds
+
+
+_STEP_HOOKS = ("on_forward", "on_before_step", "on_after_step")  # fired inside the loop's training steps
 
 
 def _ranks(rank, world_size) -> tuple[int, int]:

@@ -47,7 +47,8 @@ class WatchContext:
     training batch ({"input_ids", and "attention_mask", "labels", "position_ids" when the loop passed them});
     ``history``: one StepRecord per optimizer step; ``stale_grads``: filled by the watch at the first backward
     after each optimizer step, {"params": how many of the optimizer's parameters still held a non-zero
-    gradient, "of": how many it has, "first": the first such parameter's name} or None when all were clear."""
+    gradient, "of": how many it has, "first": the first such parameter's name} or None when all were clear;
+    ``skipped_steps``: steps the loss scaler skipped so far (no optimizer hook fires for those)."""
 
     def __init__(self, model: torch.nn.Module, optimizer, *, scheduler=None, scaler=None, tokenizer=None,
                  golden: dict | None = None, rank: int = 0, world_size: int = 1):
@@ -57,6 +58,7 @@ class WatchContext:
         self.last_batch: dict | None = None
         self.history: list[StepRecord] = []
         self.stale_grads: dict | None = None
+        self.skipped_steps = 0  # optimizer steps the loss scaler skipped (its scale fell), trailing ones included
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
         self._names: dict[int, str] | None = None
         self._lm = None

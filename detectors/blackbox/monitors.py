@@ -177,25 +177,36 @@ class GradientsPresent(BlackBoxDetector):
 
 @register
 class ScalerSkips(BlackBoxDetector):
-    """The loss scaler skips a step when gradients overflow; most steps skipped means the run does not train."""
+    """The loss scaler skips a step when gradients overflow; most steps skipped means the run does not train. When
+    the loss itself was non-finite the skips are a consequence of the forward, not of the scale: lower confidence."""
 
     id = "bb_scaler_skips"
     family = "precision"
     description = "loss scaler skipping most steps (overflowing gradients)"
     MIN_ATTEMPTS = 10
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._non_finite_loss = False
+
     def on_start(self, ctx: WatchContext) -> None:
         if not ctx.scaler_enabled:
             raise NotApplicable("no enabled loss scaler (GradScaler) was given")
 
+    def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
+        self._non_finite_loss = self._non_finite_loss or _non_finite(loss)
+
     def on_end(self, ctx: WatchContext) -> None:
-        skipped = sum(r.skipped for r in ctx.history)
+        skipped = ctx.skipped_steps
         attempts = skipped + len(ctx.history)
         if attempts >= self.MIN_ATTEMPTS and skipped > attempts / 2:
+            cause = ("the loss itself was non-finite (a forward problem)" if self._non_finite_loss
+                     else "the gradients overflow in the scaled loss")
             self.report(ctx, "precision", "scaler",
                         f"the loss scaler skipped {skipped} of {attempts} optimizer steps (its scale fell that often): "
-                        "the gradients overflow in the scaled loss", {"skipped": skipped, "attempts": attempts},
-                        confidence=0.7)
+                        f"{cause}",
+                        {"skipped": skipped, "attempts": attempts, "non_finite_loss": self._non_finite_loss},
+                        confidence=0.4 if self._non_finite_loss else 0.7)
 
 
 @register
@@ -237,9 +248,11 @@ def _first_non_finite_module(ctx: WatchContext, batch: dict) -> tuple[str, torch
         if not order and any(_non_finite(o) for o in outs):
             order.append(module)
 
+    lm = ctx.lm
     handles = [m.register_forward_hook(hook) for name, m in ctx.model.named_modules() if name]
     try:
-        ctx.lm.logits(batch["input_ids"], batch.get("attention_mask"))
+        with ctx.probe():
+            lm.logits(batch["input_ids"], batch.get("attention_mask"))
     finally:
         for h in handles:
             h.remove()
@@ -295,7 +308,7 @@ class PadIds(BlackBoxDetector):
 
     def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
         mask, ids, labels = batch.get("attention_mask"), batch.get("input_ids"), batch.get("labels")
-        if mask is None or ids is None:
+        if mask is None or ids is None or mask.shape != ids.shape:
             return
         pad, hidden = _pad_id(ctx.tokenizer), mask == 0
         if bool((ids[hidden] != pad).any()):

@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import faultbench
 from detectors.api import SUBSYSTEMS
-from tests.watch.nanogpt import TrainConfig, train
+from tests.watch.nanogpt import TrainConfig, build, train
 
 SEEDS = (0, 1)
 # bug -> (subsystem, where, detector) of the top-ranked finding
@@ -96,3 +97,23 @@ def test_a_golden_envelope_from_the_users_runs_flags_a_run_that_leaves_it(tmp_pa
 def test_an_endless_warmup_in_a_short_run():
     w = watched(("endless_warmup",), 0, steps=15)
     assert any(f.detector == "bb_lr_shape" for f in w.findings)
+
+
+class Log(torch.nn.Module):
+    """A user's activation with a bug: log of values that can be negative (NaN)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def test_a_non_finite_forward_is_localized_to_its_first_module_and_explains_the_scalers_skips():
+    cfg = TrainConfig(amp=True)
+    model, optimizer, scaler = build(cfg, seed=0)
+    model.transformer.h[1].mlp.gelu = Log()
+    w = train(cfg, steps=12, parts=(model, optimizer, scaler),
+              watch=lambda m, o, s: faultbench.watch(m, o, scaler=s, report=False))["watch"]
+    assert w.ctx.step == 0 and w.ctx.skipped_steps == 12  # every step skipped: no optimizer hook ever fired
+    top = w.findings[0]
+    assert (top.detector, top.subsystem, top.where) == ("bb_first_nonfinite", "model", "transformer.h.1.mlp.gelu")
+    skips = next(f for f in w.findings if f.detector == "bb_scaler_skips")
+    assert skips.where == "scaler" and skips.confidence < top.confidence and skips.evidence["non_finite_loss"]
