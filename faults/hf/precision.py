@@ -1,9 +1,11 @@
-"""HF faults in the `precision` subsystem: which dtype the weights live in, and autocast.
+"""HF faults in the `precision` subsystem: which dtype the weights live in, and what autocast rounds.
 
 What cannot exist on this CPU stack (so is not registered): anything needing a GradScaler (accelerate 1.15 runs
 ``fp16=True`` on CPU as plain fp32, with neither autocast nor a scaler: no missing unscale before clipping, no
-scaler state to lose), and the low-precision islands CPU bf16 autocast already keeps in fp32 here (RMSNorm's
-input is fp32 after the residual adds, cross-entropy on bf16 logits runs in fp32).
+scaler state to lose), and the low-precision islands CPU bf16 autocast already keeps in fp32 here, where removing
+the upcast changes no bit of a 16-step bf16 run (measured): RMSNorm's input is fp32 after the residual adds,
+cross-entropy on bf16 logits runs in fp32 (``ForCausalLMLoss`` without ``logits.float()``), and eager attention's
+scores are fp32 once the fp32 additive mask is added (its softmax without ``dtype=torch.float32``).
 """
 
 import torch
@@ -56,9 +58,9 @@ def move_model_to_device_bf16(self, model, device):
     subsystem="precision", also_acceptable=("position",), trigger="amp-only", symptoms=("silent-quality",),
     explanation="LlamaRotaryEmbedding.forward builds the angles position x inv_freq as a batched matmul of two "
     "tensors it has just cast to float32. matmul is on autocast's lower-precision list, so under bf16 autocast "
-    "(Trainer with bf16=True) the angles are computed and rounded in bf16, whose 8-bit mantissa spaces integers 8 "
-    "apart at 1024: every position beyond 256 is rounded to its neighbours, and the error in radians grows with the "
-    "position. cos/sin are then taken of the wrong angles. Short sequences barely change; at long context the "
+    "(Trainer with bf16=True) both operands and the angles are rounded to bf16, whose 8 significant bits space "
+    "integers 8 apart at 1024: positions beyond 256 are no longer all distinct, inv_freq keeps 8 bits, and the error "
+    "in radians grows with the position. cos/sin are then taken of the wrong angles. Short sequences barely change; at long context the "
     "encoding stops being relative (the same tokens at other offsets attend differently) and quality degrades.",
     fix="Compute the angles with autocast disabled (torch.autocast(device_type, enabled=False)) in float32, as "
     "transformers does since #29285, or as an elementwise product (not an autocast op): "
@@ -69,6 +71,7 @@ def move_model_to_device_bf16(self, model, device):
         "huggingface/diffusers#13920: 'Ideogram4MRoPE breaks under torch.autocast: all image positions collapse' "
         "(the same matmul on autocast's lower-precision list)",
     ),
+    # trained until attention depends on relative position (16 steps at lr 3e-3 barely get there)
     manifest=Manifest(check="extra_at_least", scenario="generate", steps=32,
                       variant={"precision": "bf16", "lr": 1e-2},
                       params={"key": "rope_far_shift_gap", "faulty_min": 0.2, "clean_max": 0.1}),
