@@ -135,3 +135,16 @@ class CausalLM:
                 return None  # it accepted the names but hands no cache back
             steps.append(_first_logits(out, input_ids.shape[0], 1).float())
         return torch.cat(steps, dim=1)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, new_tokens: int = 8
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Greedy decoding through the model's own ``generate`` (its cache, its decode positions) ->
+        (sequences (B, T + new_tokens), the raw logits of each generated token (B, new_tokens, V) float);
+        None when the model has no ``generate`` or takes no cache."""
+        generate = getattr(self.model, "generate", None)
+        if not (callable(generate) and self.takes_cache):
+            return None
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        out = generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       use_cache=True, output_logits=True, return_dict_in_generate=True, **kwargs)
+        return out.sequences, torch.stack(out.logits, dim=1).float()

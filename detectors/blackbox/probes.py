@@ -264,37 +264,91 @@ def padding_invariance(lm: CausalLM, input_ids: torch.Tensor, attention_mask: to
                        f"{cause}; first at {where}", {"relative_logit_gap": gaps, "tolerance": tol})
 
 
-def cache_consistency(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-                      ) -> ProbeResult | None:
-    """Token-by-token decode through the model's own cache vs one full forward: the logits must match, unpadded
-    and (when the model takes a mask) left-padded, where cached keys must stay aligned with the mask. A gap
-    that grows with the cache length points at positions/offsets, a flat one at the model."""
+@dataclass
+class _Decode:
+    """One cached-decode variant traced against its full forward: per-position gaps and the regions that align
+    the full forward's last compared position with the decode's last call (one token)."""
+
+    gaps: list[float]
+    calls_full: list[_Call]
+    calls_decode: list[_Call]
+    shape: tuple[int, int]  # (B, T) of the full forward
+    last: int  # the full forward's position the decode's last call computes
+    tol: float
+
+    def where(self) -> str | None:
+        """The module where the decode's last call first departs from the full forward at that position."""
+        last = self.last
+        return first_broken(self.calls_full, self.calls_decode, _rows(self.shape, lambda t: t[:, last: last + 1]),
+                            _rows((self.shape[0], 1), lambda t: t), self.tol)
+
+
+def _teacher_forced(lm: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None, start: int) -> _Decode:
+    """``ids`` fed one token at a time through the cache (``decode_with_cache``) vs one forward."""
+    full, decoded, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, ids, mask),
+                                               functools.partial(lm.decode_with_cache, ids, mask))
+    if decoded is None:
+        raise NotApplicable("the model accepts cache arguments but hands no cache back")
+    gaps = [relative_gap(full[:, t], decoded[:, t]) for t in range(start, ids.shape[1])]
+    return _Decode(gaps, calls_a, calls_b, tuple(ids.shape), ids.shape[1] - 1, tolerance(calls_a))
+
+
+def _generated(lm: CausalLM, prompt: torch.Tensor, mask: torch.Tensor | None, new: int) -> _Decode | None:
+    """Greedy ``generate`` from ``prompt`` vs one forward over the generated sequence (positions from the mask
+    when the model takes them, as a left-padded decode must use). None when the model has no ``generate``."""
+    with traced(lm.model) as calls_b:
+        generated = lm.generate(prompt, mask, new)
+    if generated is None:
+        return None
+    sequences, logits = generated
+    full_mask = None if mask is None else torch.cat([mask, torch.ones_like(sequences[:, prompt.shape[1]:])], 1)
+    positions = _positions_from_mask(full_mask) if full_mask is not None and lm.takes_position_ids else None
+    with traced(lm.model) as calls_a:
+        full = lm.logits(sequences, full_mask, positions)
+    first = prompt.shape[1] - 1  # the prompt's last position predicts the first new token
+    gaps = [relative_gap(full[:, first + k], logits[:, k]) for k in range(new)]
+    return _Decode(gaps, calls_a, calls_b, tuple(sequences.shape), first + new - 1, tolerance(calls_a))
+
+
+def cache_consistency(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      new_tokens: int = 4) -> ProbeResult | None:
+    """Decoding through the model's own cache must give the full forward's logits: token by token through
+    ``forward`` (teacher-forced), then through the model's own ``generate`` (its decode positions), each unpadded
+    and (when the model takes a mask) left-padded, where cached keys must stay aligned with the mask.
+    A teacher-forced gap that grows with the cache length points at positions, a flat one at the model; a gap
+    only ``generate`` shows points at the positions / cache offsets its decode loop feeds the forward."""
     if not lm.takes_cache:
         raise NotApplicable("the model takes no KV cache")
     ids = real_block(input_ids, attention_mask)
-    variants = {"unpadded": (ids, None, 0)}
+    pad_id, prompt = int(ids[0, 0]), ids[:, : ids.shape[1] // 2]
+    variants = [("forward", functools.partial(_teacher_forced, lm, ids, None, 0)),
+                ("generate", functools.partial(_generated, lm, prompt, None, new_tokens))]
     if lm.takes_attention_mask:
-        variants["left_padded"] = (*pad(ids, int(ids[0, 0]), "left"), PAD_LEN)
-    tol, gaps = math.inf, {}
-    for name, (v_ids, mask, start) in variants.items():
-        full, decoded, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, v_ids, mask),
-                                                   functools.partial(lm.decode_with_cache, v_ids, mask))
-        tol = min(tol, tolerance(calls_a))
-        if decoded is None:
-            raise NotApplicable("the model accepts cache arguments but hands no cache back")
-        gaps[name] = [relative_gap(full[:, t], decoded[:, t]) for t in range(start, v_ids.shape[1])]
-        if max(gaps[name]) > tol:
+        variants.insert(1, ("forward_left_padded",
+                            functools.partial(_teacher_forced, lm, *pad(ids, pad_id, "left"), PAD_LEN)))
+        variants.append(("generate_left_padded",
+                         functools.partial(_generated, lm, *pad(prompt, pad_id, "left"), new_tokens)))
+    measured = {}
+    for name, run in variants:
+        decode = run()
+        if decode is None:
+            continue
+        measured[name] = decode.gaps
+        if max(decode.gaps) > decode.tol:
             break
     else:
         return None
-    per_position, gap = gaps[name], max(gaps[name])
-    grows, last = _grows(per_position, tol), v_ids.shape[1] - 1
-    where = first_broken(calls_a, calls_b, _rows(tuple(v_ids.shape), lambda t: t[:, last:]),
-                         _rows((v_ids.shape[0], 1), lambda t: t), tol)
-    trend = "grows with the cache length" if grows else "does not grow with the cache length"
-    return ProbeResult("cache_consistency", gap, where, "position" if grows else "model",
-                       f"cached decode ({name}) disagrees with the full forward (relative gap {gap:.3g}, {trend}); "
-                       f"first at {where}", {"per_position_gap": gaps, "tolerance": tol})
+    gap, where = max(decode.gaps), decode.where()
+    if name.startswith("generate"):
+        subsystem = "position"
+        trend = "while token-by-token forwards through the cache agree: its decode steps feed wrong positions"
+    else:
+        grows = _grows(decode.gaps, decode.tol)
+        subsystem = "position" if grows else "model"
+        trend = "growing with the cache length" if grows else "not growing with the cache length"
+    return ProbeResult("cache_consistency", gap, where, subsystem,
+                       f"cached decode ({name}) disagrees with the full forward (relative gap {gap:.3g}), {trend}; "
+                       f"first at {where}", {"per_position_gap": measured, "tolerance": decode.tol})
 
 
 def _grows(per_position: list[float], tol: float) -> bool:

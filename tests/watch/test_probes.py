@@ -102,6 +102,8 @@ HF_FAULTS = [  # fault, the probe that must see it, its subsystem
     ("hf_causal_mask_off_by_one", "causality", "mask"),
     ("hf_padding_mask_wrong_axis", "padding_invariance", "mask"),
     ("hf_kv_cache_prepends_new_states", "cache_consistency", "model"),
+    ("hf_rope_past_len_drift", "cache_consistency", "position"),  # only generate's decode steps show it
+    ("hf_gen_position_ids_left_pad", "cache_consistency", "position"),
     ("hf_rope_q_only", "position_shift", "position"),
 ]
 
@@ -131,13 +133,54 @@ def test_probe_detectors_through_watch_on_the_nanogpt_loop():
     """not_causal and no_shift found by the probe detectors in the real loop; the clean loop gives none of theirs."""
     import faultbench
 
-    ids_ = ["bb_causality", "bb_padding_invariance", "bb_cache_consistency", "bb_position_shift", "bb_label_alignment"]
     cfg = nanogpt.TrainConfig(max_iters=3)
     outcomes = {}
     for bugs in ((), ("not_causal",), ("no_shift",)):
         out = nanogpt.train(cfg, bugs=bugs, seed=0, watch=lambda m, o, s: faultbench.watch(
-            m, o, scaler=s, detectors=ids_, report=False))
+            m, o, scaler=s, detectors=PROBE_DETECTORS, report=False))
         outcomes[bugs] = {(f.detector, f.subsystem, f.where) for f in out["watch"].findings}
     assert outcomes[()] == set()
     assert outcomes[("not_causal",)] == {("bb_causality", "mask", "transformer.h.0.attn")}
     assert outcomes[("no_shift",)] == {("bb_label_alignment", "loss", "loss")}
+
+
+@pytest.fixture(scope="module")
+def hf_trainer_run(tmp_path_factory):
+    """``findings(fault or None, recipe)``: (detector, subsystem, where) of the probe detectors on 3 steps of the
+    HF target's Trainer run, attached through the HF callback."""
+    import dataclasses
+
+    from faultbench.hf import FaultbenchCallback
+    from targets.hf.recipes import RECIPES
+    from targets.hf.run import build_run
+
+    def findings(fault: str | None, recipe: str = "fp32") -> set:
+        with injected(*([fault] if fault else [])):
+            run = build_run(dataclasses.replace(RECIPES[recipe], steps=3), 0, tmp_path_factory.mktemp("hf"))
+            callback = FaultbenchCallback(detectors=PROBE_DETECTORS, report=False)
+            run.trainer.add_callback(callback)
+            run.trainer.train()
+        assert callback.watch.errors == {}
+        return {(f.detector, f.subsystem, f.where) for f in callback.watch.findings}
+
+    return findings
+
+
+PROBE_DETECTORS = ["bb_causality", "bb_padding_invariance", "bb_cache_consistency", "bb_position_shift",
+                   "bb_label_alignment"]
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "left_pad"])
+def test_probe_detectors_are_silent_on_clean_hf_trainer_runs(hf_trainer_run, recipe):
+    """bf16: accelerate wraps the forward in autocast, so the probes' own forwards run in bf16 too."""
+    assert hf_trainer_run(None, recipe) == set()
+
+
+@pytest.mark.parametrize(("fault", "expected"), [
+    ("hf_label_shift_off_by_one", ("bb_label_alignment", "loss", "loss")),
+    ("hf_causal_mask_off_by_one", ("bb_causality", "mask", "model.layers.0.self_attn")),
+    ("hf_padding_mask_wrong_axis", ("bb_padding_invariance", "mask", "model.layers.0.self_attn")),
+    ("hf_cache_positions_ignore_past", ("bb_cache_consistency", "position", "model.layers.0.self_attn")),
+])
+def test_probe_detectors_find_hf_faults_through_the_trainer_callback(hf_trainer_run, fault, expected):
+    assert expected in hf_trainer_run(fault)
