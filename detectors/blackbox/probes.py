@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -126,14 +127,12 @@ def first_broken(calls_a: list[_Call], calls_b: list[_Call], region_a: Region, r
     by_name: dict[str, list[_Call]] = {}
     for c in calls_b:
         by_name.setdefault(c.name, []).append(c)
-    seen: dict[str, int] = {}
-    pairs = []
+    counts, seen, pairs = Counter(c.name for c in calls_a), Counter(), []
     for ca in calls_a:
-        k = seen[ca.name] = seen.get(ca.name, -1) + 1
-        bs = by_name.get(ca.name, [])
-        count_a = sum(c.name == ca.name for c in calls_a)
-        if len(bs) >= count_a:
-            pairs.append((ca, bs[len(bs) - count_a + k]))
+        bs, k = by_name.get(ca.name, []), seen[ca.name]
+        seen[ca.name] += 1
+        if len(bs) >= counts[ca.name]:
+            pairs.append((ca, bs[len(bs) - counts[ca.name] + k]))
     for ca, cb in pairs:
         (ins_a, outs_a), (ins_b, outs_b) = _stream(ca), _stream(cb)
         if _pairs_gap(outs_a, outs_b, region_a, region_b) > tol >= _pairs_gap(ins_a, ins_b, region_a, region_b):
@@ -236,27 +235,28 @@ def padding_invariance(lm: CausalLM, input_ids: torch.Tensor, attention_mask: to
         raise NotApplicable("the model takes no attention_mask: padding cannot be masked")
     ids = real_block(input_ids, attention_mask)
     pad_id = int(ids[0, 0]) if pad_id is None else pad_id
-    length, tol = ids.shape[1], math.inf
-    gaps, traces = {}, {}
+    length, gaps, traces = ids.shape[1], {}, {}
+    with traced(lm.model) as calls_alone:
+        alone = lm.logits(ids)
+    tol = tolerance(calls_alone)
     for side in ("left", "right"):
         padded, mask = pad(ids, pad_id, side)
         start = PAD_LEN if side == "left" else 0
-        alone, got, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, ids),
-                                                functools.partial(lm.logits, padded, mask))
+        with traced(lm.model) as calls_padded:
+            got = lm.logits(padded, mask)
         gaps[side] = relative_gap(alone, got[:, start: start + length])
-        tol = min(tol, tolerance(calls_a))
-        traces[side] = (calls_a, calls_b, tuple(padded.shape), start)
+        traces[side] = (calls_padded, tuple(padded.shape), start)
     if max(gaps.values()) <= tol:
         return None
     subsystem = "mask"
     if gaps["left"] > tol and lm.takes_position_ids:
         padded, mask = pad(ids, pad_id, "left")
         fixed = lm.logits(padded, mask, _positions_from_mask(mask))[:, PAD_LEN:]
-        gaps["left_with_positions"] = relative_gap(lm.logits(ids), fixed)
+        gaps["left_with_positions"] = relative_gap(alone, fixed)
         subsystem = "position" if gaps["left_with_positions"] <= tol else "mask"
     side = max(("left", "right"), key=gaps.get)
-    calls_a, calls_b, shape, start = traces[side]
-    where = first_broken(calls_a, calls_b, _rows(tuple(ids.shape), lambda t: t),
+    calls_padded, shape, start = traces[side]
+    where = first_broken(calls_alone, calls_padded, _rows(tuple(ids.shape), lambda t: t),
                          _rows(shape, lambda t: t[:, start: start + length]), tol)
     cause = "positions shift with left padding" if subsystem == "position" else "the mask lets real tokens see pads"
     return ProbeResult("padding_invariance", gaps[side], where, subsystem,
@@ -372,8 +372,11 @@ def position_shift(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.
     ids = real_block(input_ids, attention_mask)
     base = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     moved = base + shift
-    a, b, calls_a, calls_b = _compare(lm, lambda: lm.logits(ids, position_ids=base),
-                                      lambda: lm.logits(ids, position_ids=moved))
+    try:
+        a, b, calls_a, calls_b = _compare(lm, lambda: lm.logits(ids, position_ids=base),
+                                          lambda: lm.logits(ids, position_ids=moved))
+    except IndexError as exc:  # a learned table shorter than the shifted positions
+        raise NotApplicable(f"shifted positions fall outside the model's position table ({exc})") from exc
     if any(isinstance(m, torch.nn.Embedding) and any(t is moved for t in c.inputs)
            for c in calls_b for m in [lm.model.get_submodule(c.name)]):
         raise NotApplicable("the model looks its position ids up in a learned table (absolute positions)")

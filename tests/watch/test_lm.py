@@ -67,6 +67,18 @@ def test_hf_llama_is_called_by_name_and_its_cached_decode_matches_the_full_forwa
     assert not torch.equal(full[:, 1:], full[:, :-1])  # per-position logits, not one row repeated
 
 
+def test_hf_llama_generates_through_its_own_cache_with_the_logits_of_a_full_forward():
+    lm = CausalLM.wrap(llama(0))
+    prompt = ids(64, (2, 6))
+    with torch.no_grad():
+        sequences, logits = lm.generate(prompt, torch.ones_like(prompt), new_tokens=4)
+        full = lm.logits(sequences)
+    assert sequences.shape == (2, 10) and torch.equal(sequences[:, :6], prompt)
+    assert logits.shape == (2, 4, 64)
+    assert (full[:, 5:9] - logits).abs().max() < 1e-4  # position 5 predicts the first new token
+    assert torch.equal(sequences[:, 6:], logits.argmax(-1))  # greedy
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_nanogpt_is_called_positionally_and_takes_no_mask_positions_or_cache(seed):
     model, _, _ = nanogpt.build(seed=seed)
@@ -76,7 +88,7 @@ def test_nanogpt_is_called_positionally_and_takes_no_mask_positions_or_cache(see
     x = ids(nanogpt.TOKENIZER.vocab_size, seed=seed)
     with torch.no_grad():
         assert torch.equal(lm.logits(x), model(x)[0])
-        assert lm.decode_with_cache(x) is None
+        assert lm.decode_with_cache(x) is None and lm.generate(x) is None
         with pytest.raises(ValueError, match="takes no attention_mask"):
             lm.logits(x, attention_mask=torch.ones_like(x))
 
