@@ -381,14 +381,23 @@ def baseline_ids() -> list[str]:
     return [d for d, cls in all_detectors().items() if cls.baseline]
 
 
+def black_box_suite_ids() -> list[str]:
+    """The black-box track's suite: every black-box detector but the baselines (they run under a watch)."""
+    return [d for d, cls in all_detectors().items() if cls.track == "black-box" and not cls.baseline]
+
+
 def resolve_ids(names) -> list[str]:
-    """Expand ``all`` / ``suite`` / ``baselines`` (white-box detectors only) and check every id ("did you mean"
-    on a typo)."""
+    """Expand ``all`` (both tracks) / ``suite`` (the white-box suite) / ``black-box`` (the black-box suite) /
+    ``baselines`` and check every id ("did you mean" on a typo)."""
     known = all_detectors()
     out: list[str] = []
     for name in names:
-        if name in ("all", "suite"):
-            out += suite_ids() if name == "suite" else white_box_ids()
+        if name == "all":
+            out += white_box_ids() + black_box_suite_ids()
+        elif name == "suite":
+            out += suite_ids()
+        elif name == "black-box":
+            out += black_box_suite_ids()
         elif name == "baselines":
             out += baseline_ids()
         elif name in known:

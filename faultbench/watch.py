@@ -86,11 +86,9 @@ def _signature(model: torch.nn.Module) -> inspect.Signature | None:
 
 
 def _norm(tensors) -> float | None:
-    """L2 norm over tensors (None when there are none)."""
-    tensors = [t.detach().float() for t in tensors]
-    if not tensors:
-        return None
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))
+    """L2 norm over tensors, in one fused call (None when there are none)."""
+    tensors = [t.detach() for t in tensors]
+    return float(torch.nn.utils.get_total_norm(tensors)) if tensors else None
 
 
 class Watch:
@@ -114,7 +112,9 @@ class Watch:
         self._losses: list[float] = []
         self._micro = 0
         self._fresh = True  # no backward yet since the last optimizer step
-        self._backward_sq: dict[int, torch.Tensor] = {}
+        self._trainable = [p for p in self.ctx.optimizer_params() if p.requires_grad]  # groups fixed at enter
+        self._arrived: set[int] = set()  # parameters whose gradient this backward has accumulated
+        self._backward_norm: float | None = None  # the norm as the last complete backward left the gradients
         self._before: dict = {}
         self._scale: float | None = None  # the scaler's scale when last read
         self._skips_recorded = 0  # ctx.skipped_steps at the last StepRecord
@@ -186,10 +186,9 @@ class Watch:
                           model.register_forward_hook(self._guard(self._after_forward)),
                           optimizer.register_step_pre_hook(self._guard(self._before_step)),
                           optimizer.register_step_post_hook(self._guard(self._after_step))]
-        for p in self.ctx.optimizer_params():
-            if p.requires_grad:
-                self._handles.append(p.register_hook(self._guard(self._grad_arrives)))
-                self._handles.append(p.register_post_accumulate_grad_hook(self._guard(self._grad_accumulated)))
+        for p in self._trainable:
+            self._handles.append(p.register_hook(self._guard(self._grad_arrives)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._guard(self._grad_accumulated)))
 
     def _detach(self) -> None:
         for handle in self._handles:
@@ -244,20 +243,30 @@ class Watch:
         if not self._fresh:
             return
         self._fresh = False
-        params = self.ctx.optimizer_params()
+        params = self._trainable
+        if not _norm(p.grad for p in params if p.grad is not None):  # one fused check: all clear (or None)
+            self.ctx.stale_grads = None
+            return
         stale = [p for p in params if p.grad is not None and bool(p.grad.detach().ne(0).any())]
-        self.ctx.stale_grads = ({"params": len(stale), "of": len(params), "first": self.ctx.param_owner(stale[0]),
-                                 "norm": _norm(p.grad for p in stale)} if stale else None)
+        self.ctx.stale_grads = {"params": len(stale), "of": len(params), "first": self.ctx.param_owner(stale[0]),
+                                "norm": _norm(p.grad for p in stale)}
 
     def _grad_accumulated(self, param) -> None:
-        self._backward_sq[id(param)] = param.grad.detach().float().pow(2).sum()
+        """When the backward has accumulated every trainable parameter's gradient: their norm, in one call (the
+        step sees them only after clipping and unscaling). Measured only under an enabled scaler, where clipping
+        before unscaling is possible (the one reader, bb_clip_scaled)."""
+        if not self.ctx.scaler_enabled:  # unscaled: the step's norm is the backward's unless the loop clipped
+            return
+        self._arrived.add(id(param))
+        if len(self._arrived) == len(self._trainable):
+            self._backward_norm = _norm(p.grad for p in self._trainable)
+            self._arrived.clear()
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         scaler = self.ctx.scaler
-        backward = math.sqrt(float(sum(self._backward_sq.values()))) if self._backward_sq else None
         self._before = {"lrs": [float(g["lr"]) for g in optimizer.param_groups],
-                        "grad_norm": _norm(p.grad for p in self.ctx.optimizer_params() if p.grad is not None),
-                        "backward_norm": backward,
+                        "grad_norm": _norm(p.grad for p in self._trainable if p.grad is not None),
+                        "backward_norm": self._backward_norm,
                         "scale": float(scaler.get_scale()) if self.ctx.scaler_enabled else None}
         self._fire("on_before_step", self.ctx)
 
@@ -271,7 +280,8 @@ class Watch:
                             before["scale"], skipped, self._micro)
         ctx.history.append(record)
         self._losses, self._micro, self._fresh = [], 0, True
-        self._backward_sq.clear()
+        self._backward_norm = None
+        self._arrived.clear()
         self._fire("on_after_step", ctx, record)
 
     # ---- detectors

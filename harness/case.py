@@ -25,6 +25,7 @@ import json
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 
 import targets
 from detectors.api import HOOKS, Detector, NotApplicable, RunContext, all_detectors, rank_findings, rank_key
+from harness.watched import Watched, split_tracks
 from model.config import DataConfig, RunConfig, get_preset
 from model.seams import SEAMS, resolve
 
@@ -306,6 +308,7 @@ class Suite:
         self._subscribers = {hook: [d for d in self.detectors if getattr(type(d), hook) is not getattr(Detector, hook)]
                              for hook in HOOKS}
         self.in_step = False
+        self.quiet: Callable[[bool], None] = lambda on: None  # another observer of the run (the watch) looks away
 
     def wants(self, hook: str) -> bool:
         return bool(self._subscribers[hook])
@@ -316,6 +319,7 @@ class Suite:
             if det.id in self.errors or det.id in self.not_applicable:
                 continue
             start = time.perf_counter()
+            self.quiet(True)
             try:
                 if det.id not in self._checked:
                     self._checked.add(det.id)
@@ -326,6 +330,7 @@ class Suite:
             except Exception as exc:  # a broken detector is recorded and silenced, never fatal
                 self.errors[det.id] = f"{hook}: {type(exc).__name__}: {exc}"[:500]
             finally:
+                self.quiet(False)
                 timer[det.id] += time.perf_counter() - start
 
     def summaries(self) -> dict:
@@ -410,6 +415,8 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
     out = empty_record(case, rank)
     start = time.perf_counter()
     ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
+    white, black = split_tracks(case.detectors)
+    watched = Watched(black, rank, cfg.train.world_size) if black else None
     suite = None
     handles = []
     capture = None
@@ -419,8 +426,9 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
         capture = StepCapture(Path(capture_dir), rank)
     try:
         ctx.run = build_run(cfg, rank)
-        suite = Suite(case.detectors, ctx)
+        suite = Suite(white, ctx)
         handles = _attach(suite, ctx.run)
+        _watch(watched, suite, ctx.run)
         suite.fire("on_start")
         if recipe.resume_at is not None:
             _train_until(ctx.run, suite, recipe.resume_at, out, capture)
@@ -433,6 +441,7 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
             load_checkpoint(resumed, path)
             ctx.run = resumed
             handles = _attach(suite, resumed)
+            _watch(watched, suite, resumed)
             out["resumed_at"] = resumed.step
             suite.fire("on_checkpoint_load", path)
         _train_until(ctx.run, suite, cfg.train.steps, out, capture)
@@ -443,20 +452,39 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
                                    cfg.train.eval_batch_size, cfg.train.precision, cfg.data.pad_side)
         out["outputs"].update(decode(ctx.run))
         suite.fire("on_end", {"val_loss": out["val_loss"]})
+        if watched is not None:
+            watched.finish()
     except Exception as exc:  # the crash is the outcome
         out["crash"] = crash_record(exc, ctx.run.step if ctx.run is not None else None)
         if suite is not None:
             suite.fire("on_crash", out["crash"])
+        if watched is not None:
+            watched.finish(exc)
     finally:
         for h in handles:
             h.remove()
     if ctx.run is not None:
         out["outputs"].update(final_state(ctx.run))
     out["wall_s"] = time.perf_counter() - start
-    if suite is None:  # the run could not even be built: no detector saw anything
+    return suite_into(out, suite, watched)
+
+
+def _watch(watched: Watched | None, suite: Suite, run) -> None:
+    """Attach the case's watch (if it has black-box detectors) to ``run`` as a user's loop would, quiet while the
+    suite's hooks run."""
+    if watched is not None:
+        watched.attach(run.model, run.optimizer, scheduler=run.scheduler, scaler=run.scaler, tokenizer=run.tokenizer)
+        suite.quiet = watched.quiet
+
+
+def suite_into(out: dict, suite: Suite | None, watched: Watched | None) -> dict:
+    """``out`` with what the case's detectors saw, both tracks (nothing when the run could not even be built)."""
+    if suite is None:
         return out
     out.update(findings=[f.to_dict() for f in suite.findings()], detector_errors=suite.errors,
                step_seconds=suite.step_seconds, other_seconds=suite.other_seconds, summaries=suite.summaries())
+    if watched is not None:
+        watched.merge_into(out)
     return out
 
 

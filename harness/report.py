@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from harness.atomic import write_bytes, write_text
-from harness.score import SUITE
+from harness.score import BLACKBOX, SUITE
 
 COLUMNS = ("case", "target", "fault", "recipe", "seed", "detector", "detected", "findings", "first_step", "latency",
            "top1_subsystem", "top3_subsystem", "rr_subsystem", "top1_seam", "top3_seam", "rr_seam",
@@ -65,13 +65,15 @@ def score_rows(scores: dict, registry, timings: dict | None = None) -> list[list
     (best Top-1 subsystem first); with ``timings`` (that target's entry of timings.json's "detectors") each
     detector's overhead and hook seconds too."""
     columns = SCORE_COLUMNS + (TIMING_SCORE_COLUMNS if timings is not None else ())
-    rows = [["detector", "kind", *(label for _, label in columns)]]
-    entries = [(SUITE, "suite", scores["suite"])] if scores["suite"] else []
-    ranked = sorted(scores["detectors"].items(), key=lambda kv: -(kv[1]["top1_subsystem"] or 0))
-    entries += [(d, "baseline" if registry[d].baseline else registry[d].family, s) for d, s in ranked]
+    rows = [["detector", "track", "kind", *(label for _, label in columns)]]
+    entries = [(name, track, "suite", scores.get(key)) for name, key, track in SUITES if scores.get(key)]
+    ranked = sorted(scores["detectors"].items(), key=lambda kv: (registry[kv[0]].track != "white-box",
+                                                                  -(kv[1]["top1_subsystem"] or 0)))
+    entries += [(d, registry[d].track, "baseline" if registry[d].baseline else registry[d].family, s)
+                for d, s in ranked]
     per = timings or {}
-    return rows + [[name, kind, *(_fmt({**s, **per.get(name, {})}.get(key)) for key, _ in columns)]
-                   for name, kind, s in entries]
+    return rows + [[name, track, kind, *(_fmt({**s, **per.get(name, {})}.get(key)) for key, _ in columns)]
+                   for name, track, kind, s in entries]
 
 
 def _markdown(cells: list[list[str]]) -> list[str]:
@@ -84,20 +86,27 @@ def score_table(scores: dict, registry) -> list[str]:
     return _markdown(score_rows(scores, registry))
 
 
+# each track's suite: (its row name in bench.csv and timings, its key in a target's summary, its track)
+SUITES = ((SUITE, "suite", "white-box"), (BLACKBOX, "blackbox", "black-box"))
+
+
 def goal_lines(scores: dict, goals: dict, timings: dict | None = None) -> list[str]:
-    """One target's suite against the goals as a markdown table; a timing goal (overhead) is judged only with
-    ``timings`` (the leaderboard leaves it to timings.json, so that it stays byte-identical across re-runs)."""
-    if scores["suite"] is None:  # e.g. a peer tool's run: the goals are the suite's
-        return ["No suite detector ran in this bench, so the suite's goals do not apply."]
-    suite = {**scores["suite"], **(timings or {}).get(SUITE, {})}
-    lines = ["| goal | wanted | measured | met |", "|---|---|---|---|"]
-    for key, (op, goal) in goals.items():
-        if key in TIMING_KEYS and timings is None:
-            lines.append(f"| suite.{key} | {op} {goal} | a timing: see timings.json | - |")
-            continue
-        value = suite.get(key)
-        met = value is not None and (value >= goal if op == ">=" else value <= goal)
-        lines.append(f"| suite.{key} | {op} {goal} | {_fmt(value)} | {'yes' if met else 'NO'} |")
+    """One target's track suites against their goals (``goals``: row name -> goal -> [op, value]) as a markdown
+    table; a timing goal (overhead) is judged only with ``timings`` (the leaderboard leaves it to timings.json,
+    so that it stays byte-identical across re-runs)."""
+    ran = [(name, track, scores[key]) for name, key, track in SUITES if scores.get(key) and name in goals]
+    if not ran:  # e.g. a peer tool's run: the goals are the suites'
+        return ["No suite detector ran in this bench, so the suites' goals do not apply."]
+    lines = ["| track | goal | wanted | measured | met |", "|---|---|---|---|---|"]
+    for name, track, measured in ran:
+        suite = {**measured, **(timings or {}).get(name, {})}
+        for key, (op, goal) in goals[name].items():
+            if key in TIMING_KEYS and timings is None:
+                lines.append(f"| {track} | {name}.{key} | {op} {goal} | a timing: see timings.json | - |")
+                continue
+            value = suite.get(key)
+            met = value is not None and (value >= goal if op == ">=" else value <= goal)
+            lines.append(f"| {track} | {name}.{key} | {op} {goal} | {_fmt(value)} | {'yes' if met else 'NO'} |")
     return lines
 
 
@@ -113,8 +122,10 @@ def side_by_side(summary: dict) -> list[str]:
     detectors = list(dict.fromkeys(d for t in names for d in per_target[t]["detectors"]))
     head = ["detector", *(f"{label} {t}" for _, label in SIDE_BY_SIDE for t in names)]
     rows = [head]
-    for det in [SUITE, *detectors]:
-        scores = [per_target[t]["suite"] if det == SUITE else per_target[t]["detectors"].get(det) for t in names]
+    suites = {name: key for name, key, _ in SUITES}
+    for det in [*suites, *detectors]:
+        scores = [per_target[t].get(suites[det]) if det in suites else per_target[t]["detectors"].get(det)
+                  for t in names]
         if any(scores):
             rows.append([det, *(_fmt((s or {}).get(key)) for key, _ in SIDE_BY_SIDE for s in scores)])
     return _markdown(rows)
@@ -185,7 +196,8 @@ def _heatmap_grid(rows: list[dict], faults: dict[str, dict]):
     import numpy as np
 
     fault_ids = sorted(faults, key=lambda f: (faults[f]["subsystem"], f))
-    detectors = [SUITE] + sorted({r["detector"] for r in rows} - {SUITE})
+    ran = {r["detector"] for r in rows}
+    detectors = [d for d in (SUITE, BLACKBOX) if d in ran] + sorted(ran - {SUITE, BLACKBOX})
     grid = np.zeros((len(detectors), len(fault_ids)))
     counts = np.zeros_like(grid)
     for r in rows:

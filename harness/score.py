@@ -23,7 +23,8 @@ import statistics
 
 import targets
 
-SUITE = "suite"
+SUITE = "suite"  # the white-box track's suite: the union of its non-baseline detectors
+BLACKBOX = "blackbox"  # the black-box track's suite (detectors that see the loop only through faultbench.watch)
 
 
 def _rank_of_first(values: list, acceptable) -> int | None:
@@ -74,8 +75,19 @@ def target_of(record: dict) -> str:
     return record["case"].get("target", "ref")
 
 
-def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str]) -> list[dict]:
-    """One row per detector of the case (and one for the suite when the case ran suite detectors)."""
+def seam_of(finding: dict, seams) -> str | None:
+    """The finding's seam; for a black-box finding (no seam, a ``where`` in the user's terms) the seam its module
+    names, if the target's seam table (``seams``) has that class's forward."""
+    if finding.get("seam") or not finding.get("where_class"):
+        return finding.get("seam")
+    name = finding["where_class"].removeprefix("faultbench.") + ".forward"
+    return name if name in seams else None
+
+
+def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str], blackbox_ids=()) -> list[dict]:
+    """One row per detector of the case, and one per track's suite when the case ran detectors of it."""
+    seams = targets.get(target_of(record)).seams()
+    record = {**record, "findings": [{**f, "seam": seam_of(f, seams)} for f in record["findings"]]}
     case = record["case"]
     fault = faults[case["faults"][0]] if case["faults"] else None
     trig = trigger_step(fault, record)
@@ -90,13 +102,17 @@ def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str]) -> li
         rows.append({**base, "detector": det, **score_findings(found, fault, trig),
                      "step_s": record["step_seconds"].get(det, 0.0), "other_s": record["other_seconds"].get(det, 0.0),
                      "error": record["detector_errors"].get(det, "")})
-    in_suite = [d for d in case["detectors"] if d in suite_ids]
-    if in_suite:
-        found = [f for f in record["findings"] if f["detector"] in in_suite]
-        rows.append({**base, "detector": SUITE, **score_findings(found, fault, trig),
-                     "step_s": sum(record["step_seconds"].get(d, 0.0) for d in in_suite),
-                     "other_s": sum(record["other_seconds"].get(d, 0.0) for d in in_suite),
-                     "error": "; ".join(f"{d}: {e}" for d, e in record["detector_errors"].items() if d in in_suite)})
+    for name, ids, machinery in ((SUITE, suite_ids, ()), (BLACKBOX, blackbox_ids, ("watch",))):
+        members = [d for d in case["detectors"] if d in ids]
+        if not members:
+            continue
+        found = [f for f in record["findings"] if f["detector"] in members]
+        timed = [*members, *machinery]  # the watch's own hook time is the black-box track's overhead too
+        rows.append({**base, "detector": name, **score_findings(found, fault, trig),
+                     "step_s": sum(record["step_seconds"].get(d, 0.0) for d in timed),
+                     "other_s": sum(record["other_seconds"].get(d, 0.0) for d in timed),
+                     "error": "; ".join(f"{d}: {e}" for d, e in record["detector_errors"].items()
+                                        if d in members or d.startswith(machinery))})
     return rows
 
 

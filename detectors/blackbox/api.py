@@ -28,9 +28,9 @@ class StepRecord:
     loss: mean of the step's training-forward losses (or of ``Watch.observe``), None when none was seen;
     lrs: the lr of each param group as the optimizer used it; grad_norm: L2 norm of the gradients the
     optimizer stepped with; backward_norm: L2 norm of the gradients as the last backward of the step left
-    them (before any clipping or unscaling; scaled when a scaler scales the loss); scale: the scaler's scale
-    at the step (None without an enabled scaler); skipped: steps the scaler skipped since the previous record
-    (its scale fell); micro_batches: training forwards since the previous step."""
+    them (before any clipping or unscaling; scaled), measured under an enabled scaler only, else None;
+    scale: the scaler's scale at the step (None without an enabled scaler); skipped: steps the scaler skipped
+    since the previous record (its scale fell); micro_batches: training forwards since the previous step."""
 
     step: int
     loss: float | None
@@ -159,7 +159,7 @@ class BlackBoxDetector(Detector):
 
 def black_box_ids() -> list[str]:
     """Every registered black-box detector (the default of ``faultbench.watch``)."""
-    from detectors.api import all_detectors
+    from detectors.api import black_box_suite_ids
 
-    return [d for d, cls in all_detectors().items() if cls.track == "black-box" and not cls.baseline]
+    return black_box_suite_ids()
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from detectors.api import RunContext
-from harness.case import Suite, empty_record, final_state
+from harness.case import Suite, empty_record, final_state, suite_into
+from harness.watched import Watched, split_tracks
 from targets.hf.hooks import checkpoint_dir, train
 from targets.hf.recipes import RECIPES
 from targets.hf.run import HFRun, build_run, evaluate
@@ -38,8 +39,12 @@ def crash_record(exc: BaseException, step: int | None) -> dict:
             "traceback": "".join(traceback.format_exception(exc))[-4000:]}
 
 
-def _train(run: HFRun, suite, out: dict, **kwargs) -> None:
-    """``hooks.train`` whose step records (and time, and tokens) go into ``out`` even if it crashes."""
+def _train(run: HFRun, suite, watched, out: dict, **kwargs) -> None:
+    """``hooks.train`` whose step records (and time, and tokens) go into ``out`` even if it crashes; with the
+    case's black-box detectors watching through the Trainer callback a user would add."""
+    if watched is not None:
+        run.trainer.add_callback(watched.callback())
+        suite.quiet = watched.quiet
     start, done = time.perf_counter(), len(run.history)
     try:
         train(run, suite, **kwargs)
@@ -80,19 +85,21 @@ def _run(recipe, seed: int, detectors: tuple, golden, rank: int, workdir: Path) 
     out = empty_record_for(recipe.name, seed, detectors, rank)
     start = time.perf_counter()
     ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
+    white, black = split_tracks(detectors)
+    watched = Watched(black, rank, recipe.world_size) if black else None
     suite = None
     try:
         ctx.run = build_run(recipe, seed, workdir, rank)
-        suite = Suite(detectors, ctx)
+        suite = Suite(white, ctx)
         if recipe.resume_at is None:
-            _train(ctx.run, suite, out)
+            _train(ctx.run, suite, watched, out)
         else:
-            _train(ctx.run, suite, out, stop_at=recipe.resume_at)
+            _train(ctx.run, suite, watched, out, stop_at=recipe.resume_at)
             path = checkpoint_dir(str(workdir), recipe.resume_at)
             resumed = build_run(recipe, seed, workdir, rank)
             ctx.run = resumed
             out["resumed_at"] = recipe.resume_at
-            _train(resumed, suite, out, begin_hook="on_checkpoint_load", checkpoint=path, resume=path)
+            _train(resumed, suite, watched, out, begin_hook="on_checkpoint_load", checkpoint=path, resume=path)
         ctx.phase = "eval"
         out["val_loss"] = evaluate(ctx.run)
         out["outputs"].update(decode(ctx.run))
@@ -101,13 +108,12 @@ def _run(recipe, seed: int, detectors: tuple, golden, rank: int, workdir: Path) 
         out["crash"] = crash_record(exc, ctx.run.step if ctx.run is not None else None)
         if suite is not None:
             suite.fire("on_crash", out["crash"])
+        if watched is not None:
+            watched.finish(exc)
     if ctx.run is not None:
         out["outputs"].update(final_state(ctx.run))
     out["wall_s"] = time.perf_counter() - start
-    if suite is not None:
-        out.update(findings=[f.to_dict() for f in suite.findings()], detector_errors=suite.errors,
-                   step_seconds=suite.step_seconds, other_seconds=suite.other_seconds, summaries=suite.summaries())
-    return out
+    return suite_into(out, suite, watched)
 
 
 def empty_record_for(recipe: str, seed: int, detectors: tuple, rank: int) -> dict:

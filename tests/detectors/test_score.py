@@ -74,13 +74,16 @@ def test_goals_are_judged_only_when_the_suite_ran():
     from harness.bench import GOALS
     from harness.report import goal_lines
 
-    goals = {k: list(v) for k, v in GOALS.items()}
-    assert goal_lines({"suite": None}, goals) == [
-        "No suite detector ran in this bench, so the suite's goals do not apply."]
+    goals = {track: {k: list(v) for k, v in g.items()} for track, g in GOALS.items()}
+    assert goal_lines({"suite": None, "blackbox": None}, goals) == [
+        "No suite detector ran in this bench, so the suites' goals do not apply."]
     suite = {"detection_rate": 0.9, "false_positive_rate": 0.0}
     lines = goal_lines({"suite": suite}, goals)
-    assert "| suite.detection_rate | >= 0.95 | 0.900 | NO |" in lines
-    assert "| suite.false_positive_rate | <= 0.0 | 0.000 | yes |" in lines
+    assert "| white-box | suite.detection_rate | >= 0.95 | 0.900 | NO |" in lines
+    assert "| white-box | suite.false_positive_rate | <= 0.0 | 0.000 | yes |" in lines
+    assert not any("black-box" in line for line in lines)  # that track did not run
+    lines = goal_lines({"suite": None, "blackbox": suite}, goals)  # its own, lower bar
+    assert "| black-box | blackbox.detection_rate | >= 0.9 | 0.900 | yes |" in lines
 
 
 def test_scores_count_only_cases_where_the_fault_showed_and_report_the_others_beside():

@@ -1,0 +1,88 @@
+"""The black-box track in a bench case: ``faultbench.watch`` on the target's own loop, beside the white-box suite.
+
+One training run serves both tracks: the case's black-box detectors see the run only through a watch (module,
+optimizer and gradient hooks, as any user's loop would give them), its white-box detectors through the suite.
+While a white-box hook runs, the watch is quiet, so a white-box probe's crafted calls never reach what the
+black-box detectors saw of the loop (and the black-box probes run in eval mode, which the suite's forward hook
+ignores). A resumed run is new model and optimizer objects: it gets a watch of its own, and the case's record
+holds the findings of every watch of the case.
+"""
+
+from __future__ import annotations
+
+from detectors.api import all_detectors, rank_key
+
+
+def split_tracks(ids) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(white-box ids, black-box ids) of a case's detectors, each in the given order."""
+    registry = all_detectors()
+    black = tuple(d for d in ids if getattr(registry.get(d), "track", "white-box") == "black-box")
+    return tuple(d for d in ids if d not in black), black
+
+
+class Watched:
+    """The black-box detectors of a case over the segments of its run (one watch per model/optimizer pair)."""
+
+    def __init__(self, ids: tuple[str, ...], rank: int = 0, world_size: int = 1):
+        self.ids, self.rank, self.world_size = ids, rank, world_size
+        self.watches: list = []
+
+    @property
+    def current(self):
+        return self.watches[-1] if self.watches and self.watches[-1].attached else None
+
+    def attach(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None) -> None:
+        """Watch a (new) segment of the run: the previous watch, if still attached, ends normally first."""
+        from faultbench.watch import Watch
+
+        self.finish()
+        watch = Watch(model, optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer, detectors=self.ids,
+                      rank=self.rank, world_size=self.world_size, report=False)
+        self.watches.append(watch)
+        watch.__enter__()
+
+    def callback(self):
+        """A ``FaultbenchCallback`` for a Trainer segment; its watch joins this case's watches."""
+        from faultbench.hf import FaultbenchCallback
+
+        watched = self
+
+        class CaseCallback(FaultbenchCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                watched.finish()
+                super().on_train_begin(args, state, control, **kwargs)
+                watched.watches.append(self.watch)
+
+        return CaseCallback(detectors=self.ids, report=False)
+
+    def quiet(self, on: bool) -> None:
+        """Hide (``on``) or show again the model's calls from the watch: a white-box hook is running."""
+        if self.current is not None:
+            self.current.ctx.probing = on
+
+    def finish(self, exc: BaseException | None = None) -> None:
+        """End the attached watch, if any: normally, or with the run's exception (its detectors' ``on_crash``)."""
+        if self.current is not None:
+            self.current.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+
+    def merge_into(self, out: dict) -> None:
+        """Add the black-box findings, errors, not-applicable reasons and hook times to a case record."""
+        findings = [_with_class(f.to_dict(), w) for w in self.watches for f in w.findings]
+        out["findings"] = sorted(out["findings"] + findings, key=rank_key)
+        for w in self.watches:
+            for det, error in w.errors.items():
+                out["detector_errors"].setdefault(det, error)
+            for det, reason in w.not_applicable.items():
+                out["summaries"].setdefault(det, {})["not_applicable"] = reason
+            for key in ("step_seconds", "other_seconds"):
+                for det, seconds in getattr(w, key).items():
+                    out[key][det] = out[key].get(det, 0.0) + seconds
+
+
+def _with_class(finding: dict, watch) -> dict:
+    """The finding with ``where_class``, the qualified class name of the module its ``where`` names in the watched
+    model (None for other places): what the scorer maps to a seam of the target (detectors never do)."""
+    modules = dict(watch.ctx.model.named_modules())
+    module = modules.get(finding.get("where") or "\0")
+    finding["where_class"] = None if module is None else f"{type(module).__module__}.{type(module).__qualname__}"
+    return finding

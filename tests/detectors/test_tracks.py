@@ -1,0 +1,50 @@
+"""Both tracks in one bench case: the black-box suite watches the same run as the white-box suite, through
+faultbench.watch only, and each track is scored apart (harness/watched.py, harness/score.py)."""
+
+import pytest
+
+from detectors.api import black_box_suite_ids, resolve_ids, suite_ids
+from harness.case import Case, execute
+from harness.score import BLACKBOX, SUITE, case_rows, seam_of
+
+
+@pytest.fixture(scope="module")
+def clean_runs():
+    """The clean fp32 case with the white-box suite alone and with both tracks."""
+    return {ids: execute(Case("fp32", 0, (), ids)) for ids in (tuple(suite_ids()), tuple(resolve_ids(["all"])))}
+
+
+def test_watching_the_run_changes_nothing_of_it_and_finds_nothing_on_a_clean_run(clean_runs):
+    alone, both = clean_runs.values()
+    assert both["findings"] == [] and both["detector_errors"] == {}
+    assert [h["loss"] for h in both["history"]] == [h["loss"] for h in alone["history"]]  # bit for bit
+    assert both["val_loss"] == alone["val_loss"] and both["outputs"]["decoded"] == alone["outputs"]["decoded"]
+    assert both["step_seconds"]["watch"] > 0  # the watch's own hook time is accounted (the track's overhead)
+
+
+def test_a_causal_leak_is_found_by_both_tracks_and_each_is_scored_apart():
+    ids = tuple(resolve_ids(["all"]))
+    record = execute(Case("fp32", 0, ("no_causal_mask",), ids))
+    black = [f for f in record["findings"] if f["detector"] in black_box_suite_ids()]
+    assert black and black[0]["subsystem"] == "mask" and black[0]["seam"] is None
+    assert black[0]["where"] == "blocks.0.attn"  # the module path, in the user's terms
+    assert black[0]["where_class"].endswith("model.attention.CausalSelfAttention")
+    record["name"] = "no_causal_mask/fp32/s0"
+    fault = {"subsystem": "mask", "also_acceptable": [], "seams": ["model.attention.build_attention_mask"],
+             "trigger": "always"}
+    rows = {r["detector"]: r for r in case_rows(record, {"no_causal_mask": fault}, suite_ids(), black_box_suite_ids())}
+    assert rows[SUITE]["top1_subsystem"] and rows[BLACKBOX]["top1_subsystem"]
+    assert rows[BLACKBOX]["top_detector"] in black_box_suite_ids()
+    assert rows[BLACKBOX]["step_s"] >= record["step_seconds"]["watch"]
+
+
+def test_the_scorer_maps_a_module_path_to_its_class_forward_only_where_the_target_has_that_seam():
+    seams = {"model.attention.CausalSelfAttention.forward": "model"}
+    where = {"seam": None, "where": "blocks.0.attn"}
+    assert seam_of({**where, "where_class": "faultbench.model.attention.CausalSelfAttention"}, seams) == \
+        "model.attention.CausalSelfAttention.forward"
+    assert seam_of({**where, "where_class": "model.attention.CausalSelfAttention"}, seams) == \
+        "model.attention.CausalSelfAttention.forward"
+    assert seam_of({**where, "where_class": "torch.nn.modules.linear.Linear"}, seams) is None
+    assert seam_of({"seam": "model.rope.apply_rope", "where_class": None}, seams) == "model.rope.apply_rope"
+    assert seam_of({"seam": None, "where": "optimizer", "where_class": None}, seams) is None
