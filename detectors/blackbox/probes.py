@@ -182,7 +182,7 @@ def pad(ids: torch.Tensor, pad_id: int, side: str, count: int = PAD_LEN) -> tupl
     return torch.cat([ids, pads], 1), torch.cat([mask_real, mask_pad], 1)
 
 
-def _positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Each real token's index among its row's real tokens (pads get 0): what positions should be."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
@@ -227,10 +227,19 @@ def causality(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tenso
                        {"relative_logit_change": gaps, "cut": cut, "tolerance": tol})
 
 
+def left_padded(attention_mask: torch.Tensor | None) -> bool:
+    """Does some row of the batch start with pads and hold real tokens after them?"""
+    if attention_mask is None:
+        return False
+    return bool(((attention_mask[:, 0] == 0) & (attention_mask.sum(-1) > 0)).any())
+
+
 def padding_invariance(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       pad_id: int | None = None) -> ProbeResult | None:
+                       pad_id: int | None = None, position_ids: torch.Tensor | None = None) -> ProbeResult | None:
     """Each row alone vs padded on the left and on the right (masked): real-token logits must match.
-    A left-pad difference that explicit mask-derived positions remove points at positions, else at the mask."""
+    A left-pad difference that explicit mask-derived positions remove is the model's convention (GPT-2 counts
+    positions from the first column): a bug only where the loop left-pads without passing positions
+    (``position_ids``: the loop's own, if any) -> "position"; a difference positions do not remove -> "mask"."""
     if not lm.takes_attention_mask:
         raise NotApplicable("the model takes no attention_mask: padding cannot be masked")
     ids = real_block(input_ids, attention_mask)
@@ -246,19 +255,24 @@ def padding_invariance(lm: CausalLM, input_ids: torch.Tensor, attention_mask: to
             got = lm.logits(padded, mask)
         gaps[side] = relative_gap(alone, got[:, start: start + length])
         traces[side] = (calls_padded, tuple(padded.shape), start)
-    if max(gaps.values()) <= tol:
-        return None
-    subsystem = "mask"
-    if gaps["left"] > tol and lm.takes_position_ids:
+    subsystem, broken = "mask", [side for side in ("left", "right") if gaps[side] > tol]
+    if "left" in broken and lm.takes_position_ids:
         padded, mask = pad(ids, pad_id, "left")
-        fixed = lm.logits(padded, mask, _positions_from_mask(mask))[:, PAD_LEN:]
-        gaps["left_with_positions"] = relative_gap(alone, fixed)
-        subsystem = "position" if gaps["left_with_positions"] <= tol else "mask"
-    side = max(("left", "right"), key=gaps.get)
+        with_positions = lm.logits(padded, mask, positions_from_mask(mask))
+        gaps["left_with_positions"] = relative_gap(alone, with_positions[:, PAD_LEN:])
+        if gaps["left_with_positions"] <= tol:  # positions carry the difference, not the mask
+            if not left_padded(attention_mask) or position_ids is not None:
+                broken.remove("left")  # the loop never feeds that case
+            elif broken == ["left"]:
+                subsystem = "position"
+    if not broken:
+        return None
+    side = max(broken, key=gaps.get)
     calls_padded, shape, start = traces[side]
     where = first_broken(calls_alone, calls_padded, _rows(tuple(ids.shape), lambda t: t),
                          _rows(shape, lambda t: t[:, start: start + length]), tol)
-    cause = "positions shift with left padding" if subsystem == "position" else "the mask lets real tokens see pads"
+    cause = ("the loop left-pads without position_ids and positions shift with the pads" if subsystem == "position"
+             else "the mask lets real tokens see pads")
     return ProbeResult("padding_invariance", gaps[side], where, subsystem,
                        f"real-token logits change when the row is {side}-padded (relative change {gaps[side]:.3g}): "
                        f"{cause}; first at {where}", {"relative_logit_gap": gaps, "tolerance": tol})
@@ -302,7 +316,7 @@ def _generated(lm: CausalLM, prompt: torch.Tensor, mask: torch.Tensor | None, ne
         return None
     sequences, logits = generated
     full_mask = None if mask is None else torch.cat([mask, torch.ones_like(sequences[:, prompt.shape[1]:])], 1)
-    positions = _positions_from_mask(full_mask) if full_mask is not None and lm.takes_position_ids else None
+    positions = positions_from_mask(full_mask) if full_mask is not None and lm.takes_position_ids else None
     with traced(lm.model) as calls_a:
         full = lm.logits(sequences, full_mask, positions)
     first = prompt.shape[1] - 1  # the prompt's last position predicts the first new token
@@ -377,8 +391,9 @@ def position_shift(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.
                                           lambda: lm.logits(ids, position_ids=moved))
     except IndexError as exc:  # a learned table shorter than the shifted positions
         raise NotApplicable(f"shifted positions fall outside the model's position table ({exc})") from exc
-    if any(isinstance(m, torch.nn.Embedding) and any(t is moved for t in c.inputs)
-           for c in calls_b for m in [lm.model.get_submodule(c.name)]):
+    looked_up = [c.inputs for c in calls_b if isinstance(lm.model.get_submodule(c.name), torch.nn.Embedding)]
+    if any(t.shape[-1] == moved.shape[-1] and torch.equal(t.reshape(-1, t.shape[-1])[0], moved[0])
+           for inputs in looked_up for t in inputs):
         raise NotApplicable("the model looks its position ids up in a learned table (absolute positions)")
     gap, tol = relative_gap(a, b), tolerance(calls_a)
     if gap <= 10 * tol:  # rotary tables are recomputed at other angles: rounding grows a little
@@ -502,7 +517,8 @@ class BlackBoxPadding(_ActiveProbe):
 
     def probe(self, ctx, batch: dict) -> ProbeResult | None:
         pad_id = getattr(ctx.tokenizer, "pad_token_id", None)
-        return padding_invariance(ctx.lm, batch["input_ids"], batch.get("attention_mask"), pad_id)
+        return padding_invariance(ctx.lm, batch["input_ids"], batch.get("attention_mask"), pad_id,
+                                  batch.get("position_ids"))
 
 
 @register

@@ -48,6 +48,31 @@ def test_silent_on_the_clean_hf_llama(seed):
     assert run_probes(CausalLM.wrap(llama(seed)), ids(64, (4, 16), seed)) == dict.fromkeys(MODEL_PROBES)
 
 
+def gpt2(seed: int) -> CausalLM:
+    """HF's GPT-2 (learned absolute positions counted from the first column, even under left padding)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return CausalLM.wrap(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2,
+                                                    n_head=2)).eval())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_silent_on_clean_gpt2_whose_learned_positions_make_the_shift_probe_not_applicable(seed):
+    assert run_probes(gpt2(seed), ids(64, (4, 16), seed)) == {"causality": None, "padding_invariance": None,
+                                                              "cache_consistency": None, "position_shift": "n/a"}
+
+
+def test_gpt2_left_padded_by_the_loop_without_position_ids_is_a_position_finding():
+    x = ids(64, (4, 16))
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0  # the loop's batch: row 0 left-padded
+    with torch.no_grad():
+        result = probes.padding_invariance(gpt2(0), x, mask)
+        assert probes.padding_invariance(gpt2(0), x, mask, position_ids=probes.positions_from_mask(mask)) is None
+    assert result.subsystem == "position"
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_silent_on_clean_nanogpt_and_not_applicable_where_it_takes_no_such_call(seed):
     x, _ = nano_batch(seed)
