@@ -154,14 +154,15 @@ def test_a_probe_round_costs_a_few_forwards():
     assert max(timings.values()) < 5.0
 
 
-def test_probe_detectors_through_watch_on_the_nanogpt_loop():
+@pytest.mark.parametrize("seed", [0, 1])
+def test_probe_detectors_through_watch_on_the_nanogpt_loop(seed):
     """not_causal and no_shift found by the probe detectors in the real loop; the clean loop gives none of theirs."""
     import faultbench
 
     cfg = nanogpt.TrainConfig(max_iters=3)
     outcomes = {}
     for bugs in ((), ("not_causal",), ("no_shift",)):
-        out = nanogpt.train(cfg, bugs=bugs, seed=0, watch=lambda m, o, s: faultbench.watch(
+        out = nanogpt.train(cfg, bugs=bugs, seed=seed, watch=lambda m, o, s: faultbench.watch(
             m, o, scaler=s, detectors=PROBE_DETECTORS, report=False))
         outcomes[bugs] = {(f.detector, f.subsystem, f.where) for f in out["watch"].findings}
     assert outcomes[()] == set()
