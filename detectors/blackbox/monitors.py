@@ -236,7 +236,9 @@ class FirstNonFinite(BlackBoxDetector):
 
 
 def _non_finite(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return False
+    return not math.isfinite(float(t.detach())) if t.numel() == 1 else not bool(torch.isfinite(t.detach()).all())
 
 
 def _first_non_finite_module(ctx: WatchContext, batch: dict) -> tuple[str, torch.nn.Module] | None:
