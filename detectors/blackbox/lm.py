@@ -117,23 +117,24 @@ class CausalLM:
             kwargs["use_cache"] = False  # a full forward: no cache built on the side
         return kwargs
 
-    def decode_with_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-                          ) -> torch.Tensor | None:
-        """input_ids (B, T) fed one token at a time through the model's own KV cache (``use_cache=True``,
-        ``past_key_values`` handed back each step) -> float logits (B, T, V); None when the model takes no cache.
-        Positions are left to the model (as its own decoding does): only the growing mask is passed."""
+    def decode_with_cache(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                          prefill: int = 1) -> torch.Tensor | None:
+        """input_ids (B, T) through the model's own KV cache (``use_cache=True``, ``past_key_values`` handed back
+        each call): the first ``prefill`` tokens in one call, then one token at a time -> float logits (B, T, V);
+        None when the model takes no cache. Positions are left to the model (as its own decoding does): only
+        the growing mask is passed."""
         if not self.takes_cache:
             return None
-        past, steps = None, []
-        for t in range(input_ids.shape[1]):
+        past, steps, bounds = None, [], [0, *range(max(1, prefill), input_ids.shape[1] + 1)]
+        for start, stop in zip(bounds, bounds[1:], strict=False):
             kwargs = {"use_cache": True, "past_key_values": past}
             if attention_mask is not None:
-                kwargs["attention_mask"] = attention_mask[:, : t + 1]
-            out = self._call(input_ids[:, t: t + 1], **kwargs)
+                kwargs["attention_mask"] = attention_mask[:, :stop]
+            out = self._call(input_ids[:, start:stop], **kwargs)
             past = getattr(out, "past_key_values", None)
             if past is None:
                 return None  # it accepted the names but hands no cache back
-            steps.append(_first_logits(out, input_ids.shape[0], 1).float())
+            steps.append(_first_logits(out, input_ids.shape[0], stop - start).float())
         return torch.cat(steps, dim=1)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, new_tokens: int = 8

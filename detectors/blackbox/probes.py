@@ -27,6 +27,7 @@ from detectors.blackbox.api import BlackBoxDetector
 from detectors.blackbox.lm import CausalLM
 
 MAX_ROWS, MAX_LEN = 4, 64  # a probe costs a few forwards of at most this batch
+DECODE_LEN = 16  # tokens decoded one by one in the cache probe: each is a forward
 PAD_LEN = 3  # pads added on each side in the padding probe
 SHIFT = 3  # positions added in the position-shift probe
 
@@ -298,9 +299,11 @@ class _Decode:
 
 
 def _teacher_forced(lm: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None, start: int) -> _Decode:
-    """``ids`` fed one token at a time through the cache (``decode_with_cache``) vs one forward."""
+    """``ids`` through the cache (``decode_with_cache``: the real tokens' first half in one call, then one token
+    at a time) vs one forward; ``start``: the first real position."""
+    prefill = start + (ids.shape[1] - start) // 2
     full, decoded, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, ids, mask),
-                                               functools.partial(lm.decode_with_cache, ids, mask))
+                                               functools.partial(lm.decode_with_cache, ids, mask, prefill))
     if decoded is None:
         raise NotApplicable("the model accepts cache arguments but hands no cache back")
     gaps = [relative_gap(full[:, t], decoded[:, t]) for t in range(start, ids.shape[1])]
@@ -333,7 +336,7 @@ def cache_consistency(lm: CausalLM, input_ids: torch.Tensor, attention_mask: tor
     only ``generate`` shows points at the positions / cache offsets its decode loop feeds the forward."""
     if not lm.takes_cache:
         raise NotApplicable("the model takes no KV cache")
-    ids = real_block(input_ids, attention_mask)
+    ids = real_block(input_ids, attention_mask)[:, :DECODE_LEN]
     pad_id, prompt = int(ids[0, 0]), ids[:, : ids.shape[1] // 2]
     variants = [("forward", functools.partial(_teacher_forced, lm, ids, None, 0)),
                 ("generate", functools.partial(_generated, lm, prompt, None, new_tokens))]
