@@ -26,6 +26,7 @@ class FaultbenchCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None,
                        processing_class=None, **kwargs):
+        self.on_train_end(args, state, control)  # a train() that raised never ended its watch
         self.watch = Watch(model, optimizer, scheduler=lr_scheduler, scaler=getattr(optimizer, "scaler", None),
                            tokenizer=processing_class, rank=args.process_index, world_size=args.world_size,
                            **self.watch_kwargs)
