@@ -428,8 +428,8 @@ def _explains(loss: float, total: float, count: int, tol: float) -> bool:
     """The loop's ``loss`` is this NLL up to its usual normalizations: the mean divided by an integer
     accumulation factor (1..64), or the sum divided by an integer token count (a count over the whole
     accumulation window, or one the loop took from its own reading of the labels)."""
-    if count == 0 or loss <= 0:
-        return False
+    if count == 0 or not (math.isfinite(loss) and math.isfinite(total)) or loss <= 0:
+        return False  # a non-finite loss is another detector's finding
     factor = (total / count) / loss
     if round(factor) in range(1, 65) and abs(factor - round(factor)) <= tol * factor:
         return True

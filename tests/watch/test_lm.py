@@ -64,6 +64,8 @@ def test_hf_llama_is_called_by_name_and_its_cached_decode_matches_the_full_forwa
     assert full.shape == (3, 12, 64) and full.dtype == torch.float32
     assert torch.equal(full, direct)
     assert (full - decoded).abs().max() < 1e-4
+    with torch.no_grad():  # a prompt prefilled in one call, then token by token
+        assert (full - lm.decode_with_cache(x, prefill=5)).abs().max() < 1e-4
     assert not torch.equal(full[:, 1:], full[:, :-1])  # per-position logits, not one row repeated
 
 

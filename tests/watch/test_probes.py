@@ -106,6 +106,12 @@ def test_label_alignment_on_nanogpt_fires_on_unshifted_targets_only(seed, accum)
             assert result.gap == pytest.approx(1 / accum, rel=1e-5)  # loop loss / own-token NLL
 
 
+def test_label_alignment_says_nothing_on_a_non_finite_loss():
+    x = ids(64, (2, 8))
+    logits = torch.randn(2, 8, 64)
+    assert probes.label_alignment({"input_ids": x}, logits, torch.tensor(float("nan"))) is None
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_label_alignment_on_hf_ignores_masked_labels_and_window_token_counts(seed):
     model = llama(seed)
