@@ -341,10 +341,11 @@ def watch(model, optimizer, **kwargs) -> Watch:
 
 
 # ---- golden envelopes: the user's own known-good runs
-def record_golden(watches, path=None) -> dict:
-    """The envelope of finished known-good runs (``Watch`` objects): per step the [min, max] of the loss and of
-    the gradient norm over the runs, and of the last loss. Written as JSON to ``path`` when given."""
-    histories = [w.ctx.history for w in watches]
+def record_golden(runs, path=None) -> dict:
+    """The envelope of finished known-good runs (``Watch`` objects, or their histories: lists of StepRecord or of
+    its dicts): per step the [min, max] of the loss and of the gradient norm over the runs, and of the last loss.
+    Written as JSON to ``path`` when given."""
+    histories = [_history(run) for run in runs]
     if not histories or not all(histories):
         raise ValueError("record_golden needs at least one finished run with optimizer steps")
     steps = min(len(h) for h in histories)
@@ -360,6 +361,12 @@ def record_golden(watches, path=None) -> dict:
     if path is not None:
         Path(path).write_text(json.dumps(golden, indent=1))
     return golden
+
+
+def _history(run) -> list[StepRecord]:
+    """A run's step records: a Watch's history, or a recorded history (StepRecords or their dicts)."""
+    history = run.ctx.history if isinstance(run, Watch) else list(run)
+    return [StepRecord(**r) if isinstance(r, dict) else r for r in history]
 
 
 def load_golden(golden) -> dict | None:

@@ -416,7 +416,7 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
     start = time.perf_counter()
     ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
     white, black = split_tracks(case.detectors)
-    watched = Watched(black, rank, cfg.train.world_size) if black else None
+    watched = Watched(black, rank, cfg.train.world_size, golden) if black else None
     suite = None
     handles = []
     capture = None

@@ -25,6 +25,7 @@ import torch
 
 from detectors.api import Detector, RunContext
 from harness.atomic import write_text
+from harness.watched import WATCH_HISTORY, WATCH_RECORDER
 
 GOLDEN_SEEDS = (1000, 1001)
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +83,7 @@ def golden_cases(recipes, target: str = "ref") -> list:
     """The clean cases whose traces make the golden entries of ``target``'s ``recipes``."""
     from harness.case import Case
 
-    return [Case(recipe, seed, detectors=(GoldenRecorder.id,), target=target) for recipe in recipes
+    return [Case(recipe, seed, detectors=(GoldenRecorder.id, WATCH_RECORDER), target=target) for recipe in recipes
             for seed in GOLDEN_SEEDS]
 
 
@@ -94,6 +95,7 @@ def trace_of(record: dict) -> dict:
                            f"{case['recipe']}/s{case['seed']}: "
                            f"{record['crash']['message']}")
     trace = dict(record["summaries"][GoldenRecorder.id])
+    trace[WATCH_HISTORY] = record["summaries"].get(WATCH_HISTORY, [])  # what a watch saw (the black-box golden)
     history = record["history"]
     trace.update({k: [h[k] for h in history] for k in ("loss", "grad_norm", "lr", "scale", "skipped", "tokens_per_s")})
     return trace

@@ -10,21 +10,27 @@ holds the findings of every watch of the case.
 
 from __future__ import annotations
 
+import dataclasses
+
 from detectors.api import all_detectors, rank_key
+
+WATCH_HISTORY = "watch_history"  # a case record's summaries key: the StepRecords its watches took
+WATCH_RECORDER = "watch_recorder"  # a golden case's pseudo detector: a watch with no detector, recording only
 
 
 def split_tracks(ids) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(white-box ids, black-box ids) of a case's detectors, each in the given order."""
     registry = all_detectors()
-    black = tuple(d for d in ids if getattr(registry.get(d), "track", "white-box") == "black-box")
+    black = tuple(d for d in ids if d == WATCH_RECORDER or getattr(registry.get(d), "track", "") == "black-box")
     return tuple(d for d in ids if d not in black), black
 
 
 class Watched:
     """The black-box detectors of a case over the segments of its run (one watch per model/optimizer pair)."""
 
-    def __init__(self, ids: tuple[str, ...], rank: int = 0, world_size: int = 1):
-        self.ids, self.rank, self.world_size = ids, rank, world_size
+    def __init__(self, ids: tuple[str, ...], rank: int = 0, world_size: int = 1, golden: dict | None = None):
+        self.ids, self.rank, self.world_size = tuple(d for d in ids if d != WATCH_RECORDER), rank, world_size
+        self.golden = envelope(golden)
         self.watches: list = []
 
     @property
@@ -37,7 +43,7 @@ class Watched:
 
         self.finish()
         watch = Watch(model, optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer, detectors=self.ids,
-                      rank=self.rank, world_size=self.world_size, report=False)
+                      golden=self.golden, rank=self.rank, world_size=self.world_size, report=False)
         self.watches.append(watch)
         watch.__enter__()
 
@@ -53,7 +59,7 @@ class Watched:
                 super().on_train_begin(args, state, control, **kwargs)
                 watched.watches.append(self.watch)
 
-        return CaseCallback(detectors=self.ids, report=False)
+        return CaseCallback(detectors=self.ids, golden=self.golden, report=False)
 
     def quiet(self, on: bool) -> None:
         """Hide (``on``) or show again the model's calls from the watch: a white-box hook is running."""
@@ -77,6 +83,17 @@ class Watched:
             for key in ("step_seconds", "other_seconds"):
                 for det, seconds in getattr(w, key).items():
                     out[key][det] = out[key].get(det, 0.0) + seconds
+        # what the watch measured, step by step over the segments: a golden run's envelope is made of these
+        out["summaries"][WATCH_HISTORY] = [dataclasses.asdict(r) for w in self.watches for r in w.ctx.history]
+
+
+def envelope(golden: dict | None) -> dict | None:
+    """The black-box track's golden envelope of a recipe: what watches saw on its golden runs (the bench's known-good
+    runs of the same loop, as a user records them with ``faultbench.record_golden``); None without golden runs."""
+    from faultbench.watch import record_golden
+
+    histories = [run[WATCH_HISTORY] for run in (golden or {}).get("runs", []) if run.get(WATCH_HISTORY)]
+    return record_golden(histories) if histories else None
 
 
 def _with_class(finding: dict, watch) -> dict:

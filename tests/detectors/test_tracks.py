@@ -48,3 +48,17 @@ def test_the_scorer_maps_a_module_path_to_its_class_forward_only_where_the_targe
     assert seam_of({**where, "where_class": "torch.nn.modules.linear.Linear"}, seams) is None
     assert seam_of({"seam": "model.rope.apply_rope", "where_class": None}, seams) == "model.rope.apply_rope"
     assert seam_of({"seam": None, "where": "optimizer", "where_class": None}, seams) is None
+
+
+def test_golden_runs_record_what_a_watch_saw_and_hand_it_to_the_black_box_track_as_an_envelope():
+    from harness.golden import golden_cases, trace_of
+    from harness.watched import WATCH_HISTORY, envelope
+
+    case = golden_cases(["fp32"])[0]
+    trace = trace_of(execute(case))
+    history = trace[WATCH_HISTORY]
+    assert len(history) == len(trace["loss"]) and [h["step"] for h in history] == list(range(1, len(history) + 1))
+    assert [h["lrs"][0] for h in history] == pytest.approx(trace["lr"])  # the lr the optimizer really used
+    golden = envelope({"runs": [trace, trace]})
+    assert golden["runs"] == 2 and len(golden["steps"]) == len(history)
+    assert envelope({"runs": [{"loss": []}]}) is None and envelope(None) is None
