@@ -223,10 +223,17 @@ def readme(args: list[str], level: str, log: str, code: int, healthy: str) -> st
 
 
 def _healthy(args: list[str]) -> tuple[str, int]:
-    """The clean reference's train.py log for ``args`` (cached per config and source digest)."""
+    """The clean reference's train.py log for ``args`` (cached per config and source digest; a run that
+    failed or logged no step raises and is not cached)."""
     script = ROOT / "harness" / "exercise_train.py"
-    return tuple(reference_cached("train", {"args": args}, ("model", "harness/exercise_train.py"),
-                                  lambda: run_train(script, ROOT, args, ROOT)))
+
+    def compute() -> tuple[str, int]:
+        log, code = run_train(script, ROOT, args, ROOT)
+        if code != 0 or not parse_log(log)["losses"]:
+            raise RuntimeError(f"the reference's own train.py run failed (exit code {code}):\n{log[-2000:]}")
+        return log, code
+
+    return tuple(reference_cached("train", {"args": args}, ("model", "harness/exercise_train.py"), compute))
 
 
 def new_exercise(directory, seed: int | None = None, fault: str | None = None, subsystem: str | None = None,
@@ -237,9 +244,7 @@ def new_exercise(directory, seed: int | None = None, fault: str | None = None, s
     directory = build_folder(directory, fault_id)
     args = train_args(spec.manifest)
     log, code = run_train(directory / "train.py", directory, args, directory)
-    healthy, healthy_code = _healthy(args)
-    if healthy_code != 0:
-        raise RuntimeError(f"the reference's own train.py run failed:\n{healthy[-2000:]}")
+    healthy, _ = _healthy(args)
     curves = {"this run": parse_log(log)["losses"], "last week's run": parse_log(healthy)["losses"]}
     if "--resume-at" in args:  # the same job, never interrupted, for comparison
         cut = args.index("--resume-at")

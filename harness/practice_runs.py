@@ -124,6 +124,9 @@ def _script_in_fork(script: str, cwd: str, args: list[str], root: str, log: str)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    # sys.stdout/stderr may not write to fds 1 and 2 (pytest's capture swaps them for files of its own)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.chdir(cwd)
     sys.argv = [script, *args]
     code = 0

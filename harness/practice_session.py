@@ -30,14 +30,18 @@ def _first(events: list[dict], t0: float, test) -> float | None:
     return next((e["t"] - t0 for e in events if test(e)), None)
 
 
+def _started(key: dict) -> tuple[float, float | None]:
+    """When the session started (its ``start`` event, else the exercise's making) and its budget (None: none)."""
+    begun = next((e for e in key["events"] if e["kind"] == "start"), None)
+    return (begun["t"], begun["budget_s"]) if begun else (key["created"], None)
+
+
 def summary(key: dict, now: float) -> dict:
     """What a session amounts to: elapsed time and budget, scored attempts, hints, reveals, and the time to the
     correct subsystem, the correct function and the repair (None where not reached)."""
     events = key["events"]
-    begun = next((e for e in events if e["kind"] == "start"), None)
-    t0 = begun["t"] if begun else key["created"]
+    t0, budget = _started(key)
     scored = [e for e in events if e["kind"] == "answer" and e["scored"]]
-    budget = begun["budget_s"] if begun else None
     return {
         "fault": key["fault"], "difficulty": key["difficulty"], "elapsed_s": now - t0, "budget_s": budget,
         "over_budget": budget is not None and now - t0 > budget,
@@ -91,7 +95,7 @@ def report(directory, keys=None, clock: Clock = time.time) -> str:
     key, _ = load_key(directory, keys)
     s = summary(key, clock())
     spec = get_fault(key["fault"])
-    t0 = s["elapsed_s"]
+    t0, _ = _started(key)
     lines = [
         f"# Practice session: {spec.title}", "",
         f"- Fault `{spec.id}` ({spec.subsystem}, {key['difficulty']}); budget "
@@ -103,9 +107,8 @@ def report(directory, keys=None, clock: Clock = time.time) -> str:
         f"answers after the reveal (not scored) {s['after_reveal']}", "",
         "| time | event | detail |", "| --- | --- | --- |",
     ]
-    start_t = clock() - t0
     for e in key["events"]:
-        lines.append(f"| {_minutes(e['t'] - start_t)} | {e['kind']} | {_detail(e)} |")
+        lines.append(f"| {_minutes(e['t'] - t0)} | {e['kind']} | {_detail(e)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,146 +1,262 @@
-"""Practice mode: the interviewer's rubric, and exercises from new to check."""
+"""Practice mode: one full exercise round trip per symptom class, grading, difficulty and hints.
+
+Leak checks over every fault (splice only) are in test_practice_export.py, sessions in
+test_practice_session.py, the rubric in test_practice_rubric.py. Grading tests share one exercise (a
+crash at step 0: the cheapest to make) and copy its key (and its folder where they edit it).
+"""
 
 import csv
-import math
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from detectors.api import SUBSYSTEMS
 from faults.registry import all_faults
+from harness import practice
 from harness.cli import main
-from harness.practice import rubric
+from harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
 
-FAULTS = all_faults()
-SECTIONS = ("## 1. Reproduce", "## 2. Isolate by subsystem", "## 3. Instrument", "## 4. Fix", "## 5. Prevent")
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> Path:
-    """A results folder made for the rubric, every fault in it: in bench.csv `always` localizes it first on
-    every seed, `sometimes` on one seed of two (so not listed), and the suite is never listed; faults.md and
-    mutation.md rows carry a per-fault evidence and a per-fault failing test."""
-    out = tmp_path_factory.mktemp("results")
-    with (out / "bench.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["case", "fault", "seed", "detector", "rr_subsystem"])
-        writer.writeheader()
-        for fault_id in FAULTS:
-            for seed, rr in enumerate((1.0, 0.5)):
-                for detector, value in (("always", 1.0), ("sometimes", rr), ("suite", 1.0)):
-                    writer.writerow({"case": f"{fault_id}/s{seed}", "fault": fault_id, "seed": seed,
-                                     "detector": detector, "rr_subsystem": value})
-    rows = "".join(f"| `{f}` | x | evidence of {f} |\n" for f in FAULTS)
-    (out / "faults.md").write_text(f"| fault | subsystem | evidence |\n| --- | --- | --- |\n{rows}")
-    rows = "".join(f"| `{f}` | killed | tests/model/test_x.py::test_{f} |\n" for f in FAULTS)
-    (out / "mutation.md").write_text(f"| fault | result | first failing test |\n| --- | --- | --- |\n{rows}")
-    return out
+FAULTS = all_faults("ref")
+RESULTS = practice.RESULTS
+# one cheap fault per symptom class a candidate meets first (practice_level.symptom_class)
+ROUND_TRIPS = {
+    "crash": "ignore_index_mismatch",
+    "nan": "softmax_in_fp16",
+    "stall": "loss_scaled_twice",
+    "divergence": "optimizer_state_not_restored",  # a resume: the extra uninterrupted curve too
+    "eval-metric": "loss_sum_reduction",
+    "quality": "missing_unscale_before_clip",  # hard: its README must not show the scaled norm
+    "performance": "loss_history_keeps_graph",  # the log is healthy: only the interviewer's check sees it
+    "desync": "no_sync_on_last_micro_batch",  # two gloo ranks
+}
 
 
-@pytest.mark.parametrize("fault_id", sorted(FAULTS))
-def test_rubric_covers_reproduce_isolate_instrument_fix_prevent(fault_id, results):
-    spec = FAULTS[fault_id]
-    text = rubric(fault_id, results=results)
-    where = [text.find(s) for s in SECTIONS]
-    assert -1 not in where and where == sorted(where), "sections missing or out of order"
-    assert all(seam in text for seam in spec.seams) and spec.explanation in text and spec.fix in text
-    assert all(f"- {ref}" in text for ref in spec.references)
-    assert f"evidence of {fault_id}" in text
-    assert "Detectors that localize it first on every bench seed: `always` (" in text
-    assert f"A regression test that fails with this bug in place: `tests/model/test_x.py::test_{fault_id}`" in text
+def folder_check(folder: Path) -> subprocess.CompletedProcess:
+    """``python check.py`` as the candidate runs it: cwd the folder, nothing of the checkout on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-I", "check.py"], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=900)
 
 
-def test_rubric_without_results_still_has_the_answer(tmp_path):
-    text = rubric("label_permute", results=tmp_path)
-    assert "model.train.forward_loss" in text and "Detectors that localize" not in text
-
-
-def test_rubric_cli_suggests_a_close_fault_id(capsys):
-    assert main(["practice", "rubric", "--fault", "label_permut"]) == 2
-    assert "did you mean 'label_permute'" in capsys.readouterr().err
-
-
-# what would give the fault away: its id and title, and any trace of the fault machinery
-LEAKS = (r"\bfaults\b", r"\binjected?\b", "FAULTBENCH_")
-
-
-def _splice_back_the_clean_seams(exercise: Path, spec) -> None:
-    """What a candidate's fix amounts to: each replaced seam's clean definition back in the copy."""
+def splice_back_the_clean_seams(folder: Path, spec) -> None:
+    """What a candidate's fix amounts to: each replaced function's clean definition back in the copy."""
     from faults.inject import seam_function_source, splice_module
 
     for seam in spec.seams:
-        _, module, qualname = seam.split(".", 2)  # model.<module>.<qualname>
-        path = exercise / "model" / f"{module}.py"
+        _, module, qualname = seam.split(".", 2)
+        path = folder / "model" / f"{module}.py"
         path.write_text(splice_module(path.read_text(), {qualname: seam_function_source(seam)}))
 
 
-def _loss_mismatches(a: list[float], b: list[float], tol: float = 1e-6) -> list[int]:
-    """Steps where two loss curves of one length differ: NaN against a number, or numbers ``tol`` apart."""
-    def differ(x: float, y: float) -> bool:
-        if math.isnan(x) or math.isnan(y):
-            return math.isnan(x) != math.isnan(y)
-        return x != y and not abs(x - y) <= tol  # x != y: equal infinities agree
+@pytest.mark.parametrize("symptom", sorted(ROUND_TRIPS))
+def test_round_trip_per_symptom_class(tmp_path, symptom):
+    """new -> the README shows the symptom (and only what the level allows) -> the folder's own check.py
+    fails on the broken copy -> the clean functions spliced back -> check says repaired (exit 0)."""
+    from harness.practice_level import symptom_class
 
-    return [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if differ(x, y)]
-
-
-@pytest.mark.parametrize("fault_id", sorted(FAULTS))
-def test_exercise_round_trip(tmp_path, monkeypatch, fault_id):
-    """new -> nothing gives the fault away -> the broken copy is the injected run and shows the symptom ->
-    hints and grading -> splice the clean seam back -> check says repaired."""
-    import re
-
-    from harness import practice
-    from harness.scenario import run_scenario
-
-    monkeypatch.setenv("FAULTBENCH_PRACTICE_KEYS", str(tmp_path / "keys"))
-    spec = FAULTS[fault_id]
-    m = spec.manifest
-    ex = practice.new_exercise(tmp_path / "ex", fault=fault_id)
+    spec = FAULTS[ROUND_TRIPS[symptom]]
+    assert symptom_class(spec) == symptom
+    ex = practice.new_exercise(tmp_path / "ex", fault=spec.id, keys=tmp_path / "keys")
     readme = (ex / "README.md").read_text()
     assert "python train.py" in readme and (ex / "loss.png").stat().st_size > 0
-    text = "\n".join(p.read_text(errors="ignore") for p in ex.rglob("*") if p.is_file() and p.suffix in (".py", ".md"))
-    for secret in (re.escape(fault_id), re.escape(spec.title), *LEAKS):
-        assert not re.search(secret, text), secret
+    assert str(tmp_path) not in readme  # paths of this machine are scrubbed
+    if difficulty(spec, RESULTS) == "hard":
+        assert "grad_norm" not in readme and "scale" not in readme
 
-    broken = practice.scenario_outcome(ex, m)
-    # the copy runs exactly as the injected reference (a DDP scenario starts a rank pool of its own)
-    injected = run_scenario(m.scenario, m.variant, m.steps, m.seeds[0], (fault_id,)).to_dict()
-    assert (broken["crash"] or {}).get("type") == (injected["crash"] or {}).get("type")
-    assert (broken["crash"] or {}).get("step") == (injected["crash"] or {}).get("step")
-    assert _loss_mismatches(broken["losses"], injected["losses"]) == []
-    assert practice.repair_problems(broken, practice.reference_outcome(m), m), "the exercise shows no symptom"
+    broken = folder_check(ex)
+    if symptom == "performance":  # its log is the healthy one: the folder passes, the interviewer's check does not
+        assert broken.returncode == 0, broken.stdout
+        assert practice.check(ex, keys=tmp_path / "keys")["code"] == 1
+    else:
+        assert broken.returncode == 1 and broken.stdout.startswith("FAIL"), broken.stdout + broken.stderr
 
-    first = practice.hint(ex)
-    assert "Hint 1" in first and "Hint 2" not in first
-    assert spec.subsystem in practice.hint(ex) and spec.seams[0] in practice.hint(ex)
-    assert practice.answer(ex, spec.subsystem, spec.seams[0]) == {"subsystem": "right", "seam": "right",
-                                                                  "hints_used": 3}
-    wrong = next(s for s in SUBSYSTEMS if s != spec.subsystem and s not in spec.also_acceptable)
-    assert practice.answer(ex, wrong)["subsystem"] == "wrong"
-    assert "What is wrong" in practice.reveal(ex) and spec.fix in practice.reveal(ex)
+    splice_back_the_clean_seams(ex, spec)
+    # the interviewer's scenario comparison only where the folder's check cannot see the symptom (it costs a
+    # run; test_check_uses_the_folders_own_train_py covers it too)
+    strict = symptom == "performance"
+    assert practice.check(ex, keys=tmp_path / "keys", strict=strict) == {"code": 0, "problems": []}
 
-    _splice_back_the_clean_seams(ex, spec)
-    assert practice.check(ex) == {"repaired": True, "problems": []}
+
+# ---- grading -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> tuple[Path, Path]:
+    """One exercise (a crash at step 0) and its keys folder, shared read-only by the grading tests."""
+    root = tmp_path_factory.mktemp("made")
+    folder = practice.new_exercise(root / "ex", fault="ignore_index_mismatch", keys=root / "keys")
+    return folder, root / "keys"
+
+
+@pytest.fixture
+def ex(made, tmp_path) -> tuple[Path, Path]:
+    """The shared exercise with a fresh copy of its key (the events start empty)."""
+    folder, keys = made
+    shutil.copytree(keys, tmp_path / "keys")
+    return folder, tmp_path / "keys"
+
+
+@pytest.fixture
+def ex_copy(made, tmp_path) -> tuple[Path, Path]:
+    """A copy of the shared exercise's folder and key, to edit."""
+    folder, keys = made
+    shutil.copytree(folder, tmp_path / "ex")
+    shutil.copytree(keys, tmp_path / "keys")
+    return tmp_path / "ex", tmp_path / "keys"
+
+
+def _events(folder, keys) -> list[dict]:
+    return practice.load_key(folder, keys)[0]["events"]
+
+
+def test_check_cannot_run_a_broken_train_py(ex_copy):
+    folder, keys = ex_copy
+    (folder / "train.py").write_text((folder / "train.py").read_text() + "\ndef broken(:\n")
+    result = practice.check(folder, keys=keys)
+    assert result["code"] == 2 and "train.py is not valid Python" in result["problems"][0]
+    assert _events(folder, keys)[-1] == {**_events(folder, keys)[-1], "kind": "check", "code": 2}
+
+
+def test_check_uses_the_folders_own_train_py(ex_copy):
+    """A train.py that fails to import is 'cannot run' (2); one that fakes the healthy log passes the folder's
+    check.py (it only sees the log) but not the interviewer's check, which runs the copy's own scenario."""
+    folder, keys = ex_copy
+    (folder / "train.py").write_text("import no_such_module\n")
+    assert practice.check(folder, keys=keys)["code"] == 2
+    healthy = json.loads((folder / "healthy_run.json").read_text())
+    fake = [f"step {i:4d}  loss {x:.4f}" for i, x in enumerate(healthy["losses"])]
+    fake.append(f"validation loss {healthy['validation']:.4f}")
+    (folder / "train.py").write_text(f"print({chr(10).join(fake)!r})\n")
+    assert folder_check(folder).returncode == 0
+    result = practice.check(folder, keys=keys)
+    assert result["code"] == 1 and result["problems"]
+
+
+def test_answer_refuses_unknown_names_without_recording(ex):
+    folder, keys = ex
+    with pytest.raises(ValueError, match="unknown subsystem 'los'; did you mean 'loss'"):
+        practice.answer(folder, "los", keys=keys)
+    with pytest.raises(ValueError, match="unknown function 'lm_los'; did you mean 'lm_loss'"):
+        practice.answer(folder, "loss", "lm_los", keys=keys)
+    with pytest.raises(ValueError, match="'forward' is ambiguous: .*model.gpt.GPT.forward"):
+        practice.answer(folder, "model", "forward", keys=keys)
+    assert _events(folder, keys) == []
+
+
+def test_answer_accepts_a_unique_short_name(ex):
+    folder, keys = ex
+    assert practice.resolve_seam("apply_rope") == "model.rope.apply_rope"
+    assert practice.resolve_seam("KVCache.update") == "model.gpt.KVCache.update"
+    assert practice.answer(folder, "loss", "lm_loss", keys=keys) == {
+        "scored": True, "subsystem": "right", "seam": "right", "hints_used": 0}
+    wrong = next(s for s in SUBSYSTEMS if s not in ("loss", *FAULTS["ignore_index_mismatch"].also_acceptable))
+    assert practice.answer(folder, wrong, "apply_rope", keys=keys)["subsystem"] == "wrong"
+    assert [e["verdict_seam"] for e in _events(folder, keys)] == ["right", "wrong"]
+
+
+def test_answers_after_reveal_are_recorded_not_scored(ex):
+    folder, keys = ex
+    assert "What is wrong" in practice.reveal(folder, keys=keys)
+    assert practice.answer(folder, "loss", "lm_loss", keys=keys)["scored"] is False
+    kinds = [(e["kind"], e.get("scored")) for e in _events(folder, keys)]
+    assert kinds == [("reveal", None), ("answer", False)]
+
+
+def test_cli_answer_typo_is_one_line_and_check_exit_code(ex, capsys):
+    folder, keys = ex
+    assert main(["practice", "answer", str(folder), "--subsystem", "maks", "--keys", str(keys)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "did you mean 'mask'" in err
+    assert main(["practice", "answer", str(folder), "--subsystem", "loss", "--seam", "lm_loss", "--keys",
+                 str(keys)]) == 0
+    assert "subsystem: right; function: right" in capsys.readouterr().out
+
+
+# ---- hints and difficulty ----------------------------------------------------------------------------
+
+def test_hints_are_staged_then_say_there_are_no_more(ex):
+    folder, keys = ex
+    spec = FAULTS["ignore_index_mismatch"]
+    given = [practice.hint(folder, keys=keys) for _ in range(4)]
+    assert "Hint 1" in given[0] and "Hint 2" not in given[0]
+    assert "`loss`" in given[1] and "`lm_loss` in `model/loss.py`" in given[2]
+    assert given[3] == NO_MORE_HINTS
+    assert [e["stage"] for e in _events(folder, keys)] == [1, 2, 3] and given[2] == "\n".join(hints(spec))
+
+
+def test_first_hint_is_specific_to_the_symptom_class_and_trigger():
+    first = {f: hints(spec)[0] for f, spec in FAULTS.items()}
+    assert len(set(first.values())) >= 12  # not one generic text
+    assert "uninterrupted" in first["sampler_state_not_restored"] and "two processes" in first["sampler_ignores_rank"]
+    assert "fp32" in first["missing_unscale_before_clip"] and "traceback" in first["ignore_index_mismatch"]
+
+
+def test_hard_readme_shows_no_gradient_norm_or_scale():
+    """The unscale-before-clip case is solved by dividing the logged norm by the scale: a hard README shows the
+    loss column only, and of the healthy run only its end numbers."""
+    log = "step    0  loss 5.5326  grad_norm 208118.1700  lr 1.50e-03  scale 65536\nvalidation loss 5.1\n"
+    healthy = "step    0  loss 5.5326  grad_norm 3.1757  lr 1.50e-03  scale 65536\nvalidation loss 5.0\n"
+    theirs, ref = readme_evidence("hard", log, healthy)
+    assert theirs == ["step 0 loss 5.5326", "validation loss 5.1"] and ref == ["validation loss 5.0"]
+    assert "3.1757" in "".join(readme_evidence("easy", log, healthy)[1])
+    assert difficulty(FAULTS["missing_unscale_before_clip"], RESULTS) == "hard"
+
+
+def _bench(folder: Path, fault_id: str, localizing: int) -> Path:
+    """A results folder whose bench has ``localizing`` of 6 detectors localizing the fault on both seeds."""
+    folder.mkdir()
+    with (folder / "bench.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["fault", "detector", "rr_subsystem"])
+        writer.writeheader()
+        for i in range(6):
+            for _seed in range(2):
+                writer.writerow({"fault": fault_id, "detector": f"d{i}", "rr_subsystem": float(i < localizing)})
+    return folder
+
+
+def test_difficulty_follows_the_measured_signals(tmp_path):
+    """Same trigger and symptom: a fault that many detectors localize is easier, one a single detector
+    localizes harder, than the unbenched costs say."""
+    rank = DIFFICULTIES.index
+    always = FAULTS["label_permute"]  # always + silent quality: medium unbenched
+    assert rank(difficulty(always, _bench(tmp_path / "loud", always.id, 5))) < rank(difficulty(always, tmp_path))
+    amp = FAULTS["missing_unscale_before_clip"]  # amp-only + silent quality: medium unbenched
+    assert rank(difficulty(amp, tmp_path)) < rank(difficulty(amp, _bench(tmp_path / "quiet", amp.id, 1)))
+    levels = [difficulty(s, RESULTS) for s in FAULTS.values()]
+    assert all(levels.count(level) >= 5 for level in DIFFICULTIES), levels
+
+
+def test_an_intermittent_crash_is_harder_than_an_immediate_nan():
+    rank = DIFFICULTIES.index
+    assert rank(difficulty(FAULTS["mask_dtype_unpadded"], RESULTS)) > rank(difficulty(FAULTS["fp16_mask_constant"],
+                                                                                          RESULTS))
 
 
 def test_hidden_choice_is_seeded_and_filtered():
-    from harness.practice import choose_fault, difficulty
+    from harness.practice import choose_fault
 
     assert choose_fault(7, None, "mask", None) == choose_fault(7, None, "mask", None)
-    # the seed picks among every match: other seeds reach other faults, always of the asked subsystem/level
     masks = {choose_fault(seed, None, "mask", None) for seed in range(20)}
-    assert len(masks) > 1 and {all_faults()[f].subsystem for f in masks} == {"mask"}
+    assert len(masks) > 1 and {FAULTS[f].subsystem for f in masks} == {"mask"}
     hard = {choose_fault(seed, None, None, "hard") for seed in range(20)}
-    assert len(hard) > 1 and {difficulty(all_faults()[f]) for f in hard} == {"hard"}
+    assert len(hard) > 1 and {difficulty(FAULTS[f], RESULTS) for f in hard} == {"hard"}
     with pytest.raises(ValueError, match="no fault matches"):
         choose_fault(0, None, "no-such-subsystem", None)
     with pytest.raises(ValueError, match="difficulty must be one of"):
         choose_fault(0, None, None, "impossible")
 
 
-def test_an_intermittent_crash_is_harder_than_an_immediate_nan():
-    from harness.practice import DIFFICULTIES, difficulty
+def test_export_archive_keeps_uniform_times(made, tmp_path):
+    import tarfile
 
-    faults = all_faults()
-    rank = DIFFICULTIES.index
-    assert rank(difficulty(faults["mask_dtype_unpadded"])) > rank(difficulty(faults["fp16_mask_constant"]))
+    folder, keys = made
+    archive = practice.export_archive(folder, tmp_path / "ex.tar.gz", keys)
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+    assert {m.mtime for m in members} == {int(folder.stat().st_mtime)}
+    assert {re.sub(r"^ex/?", "", m.name) for m in members} >= {"README.md", "check.py", "train.py", "model/gpt.py"}
