@@ -491,6 +491,10 @@ class _ActiveProbe(BlackBoxDetector):
         batch = ctx.last_batch
         if not batch or "input_ids" not in batch:
             return
+        try:
+            ctx.lm  # noqa: B018 - the model seen as a causal LM, built on first use
+        except ValueError as exc:  # no per-position logits to probe
+            raise NotApplicable(str(exc)) from exc
         with ctx.probe():
             result = self.probe(ctx, batch)
         if result is not None:
@@ -515,7 +519,6 @@ class BlackBoxPadding(_ActiveProbe):
     id = "bb_padding_invariance"
     family = "mask"
     description = "each row of the loop's batch alone vs left-/right-padded with a mask: real-token logits match"
-    PROBE = staticmethod(padding_invariance)
     CONFIDENCE = 0.75
 
     def probe(self, ctx, batch: dict) -> ProbeResult | None:
