@@ -98,18 +98,20 @@ def run_train(args: list[str]) -> tuple[str, int | None]:
     return proc.stdout + proc.stderr, proc.returncode
 
 
-def check() -> tuple[int, list[str]]:
-    """(exit code, what to print): run train.py as the colleague did and compare it with the healthy run."""
-    sources = [HERE / "train.py", *sorted((HERE / "model").glob("*.py"))]
-    if not (HERE / "train.py").exists() or not (HERE / "healthy_run.json").exists():
-        return 2, ["cannot run: train.py or healthy_run.json is missing"]
-    for path in sources:
+def unrunnable(root: Path) -> str | None:
+    """Why the folder cannot run at all (a file missing or not valid Python), None if it can."""
+    if not (root / "train.py").exists() or not (root / "model").is_dir():
+        return "cannot run: train.py or model/ is missing"
+    for path in [root / "train.py", *sorted((root / "model").glob("*.py"))]:
         try:
             compile(path.read_bytes(), str(path), "exec")
         except (SyntaxError, ValueError) as exc:
-            return 2, [f"cannot run: {path.relative_to(HERE)} is not valid Python: {exc}"]
-    healthy = json.loads((HERE / "healthy_run.json").read_text())
-    log, code = run_train(healthy["args"])
+            return f"cannot run: {path.relative_to(root)} is not valid Python: {exc}"
+    return None
+
+
+def verdict(log: str, code: int | None, healthy: dict) -> tuple[int, list[str]]:
+    """(0 behaves | 1 differs | 2 cannot run, the lines saying why) of a train.py run (``code`` None: it hung)."""
     if code is None:
         return 1, [f"train.py did not finish within {TIMEOUT_S} s (it hangs)"]
     run = parse_log(log)
@@ -119,6 +121,15 @@ def check() -> tuple[int, list[str]]:
     problems = [f"train.py crashes (exit code {code}): {last}"] if code else []
     problems += differences(run, healthy, finished=not code)
     return (1, problems) if problems else (0, [])
+
+
+def check() -> tuple[int, list[str]]:
+    """(exit code, what to print): run train.py as the colleague did and compare it with the healthy run."""
+    why = unrunnable(HERE) or (None if (HERE / "healthy_run.json").exists() else "cannot run: no healthy_run.json")
+    if why:
+        return 2, [why]
+    healthy = json.loads((HERE / "healthy_run.json").read_text())
+    return verdict(*run_train(healthy["args"]), healthy)
 
 
 def main(argv: list[str]) -> int:

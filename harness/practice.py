@@ -10,7 +10,8 @@
   this checkout, ``$FAULTBENCH_PRACTICE_KEYS`` or ``--keys``); the folder holds a random token only.
 - ``hint`` (three stages, specific to the symptom class, then "no more"), ``answer`` (refuses unknown
   names unrecorded; accepts a unique short function name; after ``reveal``, recorded and not scored),
-  ``check`` (the folder's own check.py, then the interviewer's stricter scenario comparison), ``reveal``.
+  ``check`` (the folder's own train.py judged as check.py judges it, against the interviewer's healthy
+  run, then the stricter scenario comparison), ``reveal``.
 Every call is an event with a time in the key (``harness.practice_session`` reads them).
 """
 
@@ -24,8 +25,6 @@ import random
 import re
 import secrets
 import shutil
-import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from harness.atomic import write_text
 from harness.exercise_check import parse_log
 from harness.exercise_docs import exercise_docstring
 from harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
-from harness.practice_runs import TRAIN_TIMEOUT_S, reference_cached, run_train, train_args
+from harness.practice_runs import reference_cached, run_train, train_args
 from model.seams import SEAMS, SUBSYSTEMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -347,36 +346,27 @@ def reveal(directory, keys=None, clock: Clock = time.time) -> str:
     ])
 
 
-def run_folder_check(directory) -> tuple[int, str]:
-    """``python check.py`` in the folder, as the candidate runs it (a clean environment: nothing of this
-    checkout on the path): its exit code (0 behaves, 1 differs, 2 cannot run) and output."""
-    if not (Path(directory) / "check.py").exists():
-        return 2, "cannot run: check.py is missing"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    try:
-        proc = subprocess.run([sys.executable, "check.py"], cwd=directory, env=env, capture_output=True, text=True,
-                              timeout=2 * TRAIN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return 1, "check.py did not finish (train.py hangs)"
-    return proc.returncode, (proc.stdout + proc.stderr).strip()
-
-
 def check(directory, keys=None, clock: Clock = time.time, strict: bool = True) -> dict:
-    """Is the copy repaired? The folder's own check.py first (its train.py against the healthy run); if that
-    passes and ``strict``, the fault's scenario on the copy against the reference (probe metrics the log
-    does not show). {"code": 0 repaired | 1 not | 2 cannot run, "problems": [...]}; never names the fault."""
+    """Is the copy repaired? The folder's own train.py, run as the colleague ran it, judged as its check.py
+    judges (``harness.exercise_check.verdict``) but against the interviewer's healthy run (a candidate can
+    edit check.py and healthy_run.json); if it behaves and ``strict``, the fault's scenario on the copy
+    against the reference (probe metrics the log does not show). {"code": 0 repaired | 1 not | 2 cannot
+    run, "problems": [...]}; never names the fault."""
+    from harness.exercise_check import unrunnable, verdict
     from harness.practice_runs import reference_outcome, repair_problems, scenario_outcome
 
     key, path = load_key(directory, keys)
-    code, output = run_folder_check(directory)
-    listed = [line.strip()[2:] for line in output.splitlines() if line.startswith("  - ")]
-    problems = [] if code == 0 else listed or output.splitlines()[-1:]
+    folder = Path(directory).resolve()
+    why = unrunnable(folder)
+    if why:
+        code, problems = 2, [why]
+    else:
+        log, exit_code = run_train(folder / "train.py", folder, key["args"], folder)
+        code, problems = verdict(log, None if exit_code == -1 else exit_code, parse_log(_healthy(key["args"])[0]))
     if code == 0 and strict:
         manifest = get_fault(key["fault"]).manifest
         try:
-            problems = repair_problems(scenario_outcome(Path(directory).resolve(), manifest),
-                                       reference_outcome(manifest), manifest)
+            problems = repair_problems(scenario_outcome(folder, manifest), reference_outcome(manifest), manifest)
         except RuntimeError as exc:
             problems = [f"the copy does not run: {str(exc).strip().splitlines()[-1]}"]
         code = 1 if problems else 0

@@ -124,7 +124,8 @@ def test_check_cannot_run_a_broken_train_py(ex_copy):
 
 def test_check_uses_the_folders_own_train_py(ex_copy):
     """A train.py that fails to import is 'cannot run' (2); one that fakes the healthy log passes the folder's
-    check.py (it only sees the log) but not the interviewer's check, which runs the copy's own scenario."""
+    check.py (it only sees the log) but not the interviewer's check, which runs the copy's own scenario; an
+    edited healthy_run.json fools only the folder's check.py."""
     folder, keys = ex_copy
     (folder / "train.py").write_text("import no_such_module\n")
     assert practice.check(folder, keys=keys)["code"] == 2
@@ -135,6 +136,10 @@ def test_check_uses_the_folders_own_train_py(ex_copy):
     assert folder_check(folder).returncode == 0
     result = practice.check(folder, keys=keys)
     assert result["code"] == 1 and result["problems"]
+    (folder / "train.py").write_text("print('step    0  loss 1.0000')\n")
+    (folder / "healthy_run.json").write_text(json.dumps({**healthy, "losses": [1.0], "validation": None}))
+    assert folder_check(folder).returncode == 0
+    assert practice.check(folder, keys=keys, strict=False)["code"] == 1
 
 
 def test_answer_refuses_unknown_names_without_recording(ex):

@@ -1,7 +1,7 @@
 """Timed practice sessions on an injectable clock: start, status, history, the kept report.
 
 The exercise folder is splice-only with a hand-written key (no training run): sessions read only the key's
-events. ``check`` is taken with the folder's check.py answer stubbed (its behaviour is test_practice.py's).
+events. ``check`` is taken with the runs stubbed (its behaviour is test_practice.py's).
 """
 
 import json
@@ -48,7 +48,9 @@ def test_a_session_from_start_to_repair(session, monkeypatch):
     practice.answer(folder, "loss", keys=keys, clock=clock)  # right subsystem: 10 min in
     clock.t += 300
     practice.answer(folder, "loss", "forward_loss", keys=keys, clock=clock)  # right function: 15 min in
-    monkeypatch.setattr(practice, "run_folder_check", lambda directory: (0, "PASS"))
+    log = "step    0  loss 5.0000\nvalidation loss 4.0000\n"  # the copy's run, and the healthy one, stubbed
+    monkeypatch.setattr(practice, "run_train", lambda *args: (log, 0))
+    monkeypatch.setattr(practice, "_healthy", lambda args: (log, 0))
     clock.t += 600
     assert practice.check(folder, keys, clock, strict=False)["code"] == 0  # repaired: 25 min in
     assert practice_session.status(folder, keys, clock) == \
