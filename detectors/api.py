@@ -336,7 +336,7 @@ BUILTIN_MODULES = (
     "detectors.data", "detectors.collate", "detectors.mask", "detectors.position", "detectors.model",
     "detectors.loss", "detectors.optimizer", "detectors.precision", "detectors.checkpoint",
     "detectors.distributed", "detectors.eval", "detectors.resources", "detectors.baselines",
-    "detectors.blackbox.monitors", "detectors.blackbox.probes",
+    "detectors.blackbox.monitors", "detectors.blackbox.probes", "detectors.blackbox.gradients",
 )
 _loaded = False
 

@@ -9,11 +9,19 @@ What it attaches (all removed on exit, also when the block raises; nothing of to
 - ``model``'s forward pre-hook and hook: each call's batch (input_ids / attention_mask / position_ids / labels,
   positional or keyword) and its logits and loss (a tuple, an object with .logits/.loss, or a tensor);
   a call with grad enabled in train mode is a training forward, any other an evaluation forward;
-- on each parameter of the optimizer: a gradient hook (fires before the gradient is accumulated: at the first
-  backward after a step, is ``.grad`` still holding the previous step's gradient?) and a post-accumulate hook
-  (the gradient norm as the backward left it, before clipping and unscaling);
+- on the logits of the first training forward after each optimizer step: a gradient hook (it fires when that
+  backward begins, before any parameter's gradient is accumulated: is ``.grad`` still holding the previous step's
+  gradient?); no per-parameter hook runs in the loop's steps, except under an enabled scaler a post-accumulate
+  hook on the parameter whose gradient a backward completes last (the gradient norm as the backward left it,
+  before clipping and unscaling: one fused norm per backward);
+- each training batch's fingerprint (detectors.blackbox.batches: a hash per row and per batch, and where the
+  tokenizer's BOS/EOS sit), in the step's record;
 - the optimizer's step pre-/post-hooks: the lr of each group, the gradient norm it steps with, the scaler's
-  scale; one ``StepRecord`` per step.
+  scale; one ``StepRecord`` per step;
+- on the logits of each training forward (when a detector takes ``on_backward``, or the model returned no loss):
+  a gradient hook giving d loss / d logits (divided by an enabled scaler's scale) to ``on_backward``; from it
+  the loss the loop differentiated (sum of weight x NLL over the positions, detectors.blackbox.gradients) fills
+  the step's loss when no loss was observed.
 Detector errors never reach the loop: they are kept in the report. ``observe(loss=...)`` gives the loss of a
 loop whose model does not return it.
 """
@@ -33,6 +41,7 @@ import torch
 
 from detectors.api import Finding, NotApplicable, all_detectors, rank_findings
 from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
+from detectors.blackbox.batches import batch_hash, layout, row_hashes, special_ids
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -98,10 +107,23 @@ class Watch:
     ``to_json()`` / ``report()``: the same as JSON and as text (printed at exit when ``report=True``)."""
 
     def __init__(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, golden=None,
-                 detectors="black-box", rank=None, world_size=None, report=True, out=None):
+                 detectors="black-box", rank=None, world_size=None, report=True, out=None, step=0, previous=None):
         rank, world_size = _ranks(rank, world_size)
         self.ctx = WatchContext(model, _unwrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler,
                                 tokenizer=tokenizer, golden=load_golden(golden), rank=rank, world_size=world_size)
+        # a resumed loop: the step it resumes at, and the watch of the segment before (what it trained on)
+        self.ctx.step = self.ctx.start_step = int(step or 0)
+        if previous is not None:
+            prev = previous.ctx if isinstance(previous, Watch) else previous
+            self.ctx.previous = prev
+            self.ctx.batches_seen = dict(prev.batches_seen)
+            self.ctx.train_rows = set(prev.train_rows)
+        self._special = special_ids(tokenizer) if tokenizer is not None else {}
+        self._batches: list[int] = []
+        self._layout: dict | None = None
+        self._stale_hooked = False  # the stale-gradient check is hooked on this step's first backward
+        self._last_param = None  # under a scaler: the parameter whose gradient a backward completes last
+        self._grad_handles: dict = {}
         self.detectors = _instantiate(detectors)
         self.print_report, self.out = report, out
         self.not_applicable: dict[str, str] = {}
@@ -110,6 +132,8 @@ class Watch:
         self._signature = _signature(model)
         self._pending: dict | None = None  # the batch of the call in flight
         self._losses: list[float] = []
+        self._implied: list[float] = []  # each backward's loss implied by the logits' gradient (no loss observed)
+        self._on_backward = any(type(d).on_backward is not BlackBoxDetector.on_backward for d in self.detectors)
         self._micro = 0
         self._fresh = True  # no backward yet since the last optimizer step
         self._trainable = [p for p in self.ctx.optimizer_params() if p.requires_grad]  # groups fixed at enter
@@ -186,9 +210,10 @@ class Watch:
                           model.register_forward_hook(self._guard(self._after_forward)),
                           optimizer.register_step_pre_hook(self._guard(self._before_step)),
                           optimizer.register_step_post_hook(self._guard(self._after_step))]
-        for p in self._trainable:
-            self._handles.append(p.register_hook(self._guard(self._grad_arrives)))
-            self._handles.append(p.register_post_accumulate_grad_hook(self._guard(self._grad_accumulated)))
+        if self.ctx.scaler_enabled:  # the backward's norm is read only where clipping before unscale_ is possible
+            self._grad_handles = {id(p): p.register_post_accumulate_grad_hook(self._guard(self._grad_accumulated))
+                                  for p in self._trainable}
+            self._handles += list(self._grad_handles.values())
 
     def _detach(self) -> None:
         for handle in self._handles:
@@ -213,7 +238,7 @@ class Watch:
         return hook
 
     def _before_forward(self, module, args, kwargs) -> None:
-        self._pending = normalize_call(self._signature, args, kwargs)
+        self._pending = self.ctx.pending_batch = normalize_call(self._signature, args, kwargs)
 
     def _after_forward(self, module, args, output) -> None:
         batch, self._pending = self._pending or {}, None
@@ -224,9 +249,37 @@ class Watch:
             if loss is not None and loss.numel() == 1:
                 self._losses.append(float(loss.detach()))
             self.ctx.last_batch = batch
+            self._fingerprint(batch)
+            if self._fresh and not self._stale_hooked and isinstance(logits, torch.Tensor) and logits.requires_grad:
+                self._stale_hooked = True
+                logits.register_hook(self._guard(self._grad_arrives))
             self._fire("on_forward", self.ctx, batch, logits, loss)
+            if isinstance(logits, torch.Tensor) and logits.requires_grad and (self._on_backward or loss is None):
+                self._hook_logits(batch, logits, loss_seen=loss is not None)
         else:
             self._fire("on_eval_forward", self.ctx, batch, logits)
+
+    def _hook_logits(self, batch: dict, logits: torch.Tensor, loss_seen: bool) -> None:
+        """A gradient hook on this forward's logits: the backward's d loss / d logits, unscaled, to ``on_backward``
+        and, when the model returned no loss, to the step's implied loss. Holds a detached alias only."""
+        detached = logits.detach()
+
+        def logits_grad(grad):
+            grad = grad.detach()
+            if self.ctx.scaler_enabled:
+                scale = float(self.ctx.scaler.get_scale())
+                if scale != 1.0:
+                    grad = grad / scale
+            if not loss_seen:
+                from detectors.blackbox.gradients import implied
+
+                result = implied(detached, grad)
+                if result is not None:
+                    self._implied.append(result.loss)
+            if self._on_backward:
+                self._fire("on_backward", self.ctx, batch, detached, grad)
+
+        logits.register_hook(self._guard(logits_grad))
 
     def _track_scale(self) -> None:
         """Count the scaler's skipped steps: each skip halves its scale (backoff) before the next forward, and a
@@ -238,8 +291,26 @@ class Watch:
             self.ctx.skipped_steps += round(math.log2(self._scale / scale))
         self._scale = scale
 
+    def _fingerprint(self, batch: dict) -> None:
+        """The training batch's hash (StepRecord.batches), its rows' (ctx.train_rows) and its layout counts."""
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() not in (1, 2):
+            return
+        mask = batch.get("attention_mask")
+        rows = row_hashes(ids, mask)
+        self._batches.append(batch_hash(rows))
+        if len(self.ctx.train_rows) < self.ctx.MAX_ROWS:
+            self.ctx.train_rows.update(rows.tolist())
+        counts = layout(ids, mask, self._special)
+        if self._layout is None:
+            self._layout = counts
+        else:
+            for key, value in counts.items():
+                self._layout[key] = max(self._layout[key], value) if key == "len" else self._layout.get(key, 0) + value
+
     def _grad_arrives(self, grad) -> None:
-        """The first gradient of the first backward after a step: does any .grad still hold the previous step's?"""
+        """The first gradient of the first backward after a step (the logits', before any parameter's is
+        accumulated): does any .grad still hold the previous step's?"""
         if not self._fresh:
             return
         self._fresh = False
@@ -255,15 +326,22 @@ class Watch:
         """When the backward has accumulated every trainable parameter's gradient: their norm, in one call (the
         step sees them only after clipping and unscaling). Measured only under an enabled scaler, where clipping
         before unscaling is possible (the one reader, bb_clip_scaled)."""
-        if not self.ctx.scaler_enabled:  # unscaled: the step's norm is the backward's unless the loop clipped
+        if self._last_param is not None:  # learned: only the backward's last gradient completes it
+            if param is self._last_param:
+                self._backward_norm = _norm(p.grad for p in self._trainable if p.grad is not None)
             return
         self._arrived.add(id(param))
         if len(self._arrived) == len(self._trainable):
             self._backward_norm = _norm(p.grad for p in self._trainable)
             self._arrived.clear()
+            self._last_param = param
+            for pid, handle in self._grad_handles.items():  # from now on one hook, on the backward's last parameter
+                if pid != id(param):
+                    handle.remove()
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         scaler = self.ctx.scaler
+        self.ctx.backward_seen = not self._fresh
         self._before = {"lrs": [float(g["lr"]) for g in optimizer.param_groups],
                         "grad_norm": _norm(p.grad for p in self._trainable if p.grad is not None),
                         "backward_norm": self._backward_norm,
@@ -275,11 +353,17 @@ class Watch:
         self._track_scale()
         skipped, self._skips_recorded = ctx.skipped_steps - self._skips_recorded, ctx.skipped_steps
         loss = sum(self._losses) / len(self._losses) if self._losses else None
+        if loss is None and self._implied:  # the loss the backwards differentiated, per optimizer step taken
+            loss = sum(self._implied) / (1 + skipped)
         ctx.step += 1
         record = StepRecord(ctx.step, loss, before["lrs"], before["grad_norm"], before["backward_norm"],
-                            before["scale"], skipped, self._micro)
+                            before["scale"], skipped, self._micro, self._batches, self._layout,
+                            ctx.optimizer_count(), None if ctx.history else ctx.group_config())
+        for h in self._batches:
+            ctx.batches_seen.setdefault(h, ctx.step)
         ctx.history.append(record)
-        self._losses, self._micro, self._fresh = [], 0, True
+        self._batches, self._layout, self._stale_hooked = [], None, False
+        self._losses, self._implied, self._micro, self._fresh = [], [], 0, True
         self._backward_norm = None
         self._arrived.clear()
         self._fire("on_after_step", ctx, record)
@@ -305,7 +389,7 @@ class Watch:
                 timer[det.id] = timer.get(det.id, 0.0) + seconds
 
 
-_STEP_HOOKS = ("on_forward", "on_before_step", "on_after_step")  # fired inside the loop's training steps
+_STEP_HOOKS = ("on_forward", "on_backward", "on_before_step", "on_after_step")  # fired inside the loop's training steps
 
 
 def _ranks(rank, world_size) -> tuple[int, int]:
@@ -343,8 +427,18 @@ def watch(model, optimizer, **kwargs) -> Watch:
 # ---- golden envelopes: the user's own known-good runs
 def record_golden(runs, path=None) -> dict:
     """The envelope of finished known-good runs (``Watch`` objects, or their histories: lists of StepRecord or of
-    its dicts): per step the [min, max] of the loss and of the gradient norm over the runs, and of the last loss.
-    Written as JSON to ``path`` when given."""
+    its dicts; a resumed run's history is its segments' in order). Written as JSON to ``path`` when given::
+
+        {"runs": N,
+         "steps": [{"loss": [lo, hi], "grad_norm": [lo, hi], "lrs": [[lo, hi] per param group]}, ...],
+         "final_loss": [lo, hi],
+         "scaled": every run stepped under an enabled loss scaler,
+         "groups": the optimizer's param groups as configured (WatchContext.group_config), when all runs agree,
+         "layout": {"bos" | "bos2" | "eos" | "has_eos": [lo, hi] fraction of the training rows}, "max_len": int,
+         "repeats": the most training batches any run trained on twice}
+
+    A span is None where no run measured it; keys of fields no run recorded are None.
+    """
     histories = [_history(run) for run in runs]
     if not histories or not all(histories):
         raise ValueError("record_golden needs at least one finished run with optimizer steps")
@@ -354,10 +448,28 @@ def record_golden(runs, path=None) -> dict:
         values = [v for v in values if v is not None and math.isfinite(v)]
         return [min(values), max(values)] if values else None
 
+    def lrs(i):
+        groups = min(len(h[i].lrs or []) for h in histories)
+        return [span(h[i].lrs[g] for h in histories) for g in range(groups)]
+
     golden = {"runs": len(histories),
               "steps": [{"loss": span(h[i].loss for h in histories),
-                         "grad_norm": span(h[i].grad_norm for h in histories)} for i in range(steps)],
-              "final_loss": span(h[-1].loss for h in histories)}
+                         "grad_norm": span(h[i].grad_norm for h in histories), "lrs": lrs(i)} for i in range(steps)],
+              "final_loss": span(h[-1].loss for h in histories),
+              "scaled": all(r.scale is not None for h in histories for r in h)}
+    configs = [next((r.groups for r in h if r.groups is not None), None) for h in histories]
+    golden["groups"] = configs[0] if configs[0] is not None and all(c == configs[0] for c in configs) else None
+    layouts = [[r.layout for r in h if r.layout] for h in histories]
+    if all(layouts):
+        totals = [{k: sum(lay.get(k, 0) for lay in run) for k in ("rows", "bos", "bos2", "eos", "has_eos")}
+                  for run in layouts]
+        keys = [k for k in ("bos", "bos2", "eos", "has_eos") if all(k in lay for run in layouts for lay in run)]
+        golden["layout"] = {k: span(t[k] / t["rows"] for t in totals if t["rows"]) for k in keys}
+        golden["max_len"] = max(lay["len"] for run in layouts for lay in run)
+    else:
+        golden["layout"], golden["max_len"] = None, None
+    batches = [[b for r in h for b in r.batches] for h in histories]
+    golden["repeats"] = max(len(b) - len(set(b)) for b in batches) if all(batches) else None
     if path is not None:
         Path(path).write_text(json.dumps(golden, indent=1))
     return golden

@@ -135,7 +135,9 @@ def code_digest(plugins=()) -> str:
     import hashlib
     import importlib.util
 
-    digest = source_digest("model", "targets", "faults", "detectors", "harness/case.py", "harness/golden.py")
+    # the watch (faultbench/) and its bench glue (harness/watched.py) shape every black-box finding
+    digest = source_digest("model", "targets", "faults", "detectors", "faultbench", "harness/case.py",
+                           "harness/golden.py", "harness/watched.py")
     for plugin in plugins:
         path = Path(plugin) if plugin.endswith(".py") else Path(importlib.util.find_spec(plugin).origin)
         digest = hashlib.sha256((digest + path.read_text()).encode()).hexdigest()

@@ -106,7 +106,9 @@ def digest(target: str = "ref") -> str:
     from harness.case import source_digest
 
     stack = () if target == "ref" else (f"targets/{target}", "targets/__init__.py")
-    return source_digest("model", *stack, "harness/golden.py", "harness/case.py")[:16]
+    # a golden run's envelope for the black-box track is what the watch recorded (faultbench/watch.py)
+    return source_digest("model", *stack, "harness/golden.py", "harness/case.py", "faultbench/watch.py",
+                         "harness/watched.py")[:16]
 
 
 def _key(recipe: str, target: str = "ref") -> str:

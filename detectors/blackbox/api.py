@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,12 +25,20 @@ from detectors.api import SUBSYSTEMS, Detector, Finding, _jsonable
 class StepRecord:
     """One optimizer step as the watch measured it.
 
-    loss: mean of the step's training-forward losses (or of ``Watch.observe``), None when none was seen;
+    loss: mean of the step's training-forward losses (or of ``Watch.observe``); when the model returned none,
+    the loss the step's backwards differentiated (sum over micro-batches of weight x NLL implied by the logits'
+    gradient, detectors.blackbox.gradients); None when neither was seen;
     lrs: the lr of each param group as the optimizer used it; grad_norm: L2 norm of the gradients the
     optimizer stepped with; backward_norm: L2 norm of the gradients as the last backward of the step left
     them (before any clipping or unscaling; scaled), measured under an enabled scaler only, else None;
     scale: the scaler's scale at the step (None without an enabled scaler); skipped: steps the scaler skipped
-    since the previous record (its scale fell); micro_batches: training forwards since the previous step."""
+    since the previous record (its scale fell); micro_batches: training forwards since the previous step;
+    batches: a hash of each training batch of the step (detectors.blackbox.batches: same tokens, same hash);
+    layout: counts over the step's training rows ("rows", "len": longest padded length, and with a tokenizer's
+    BOS/EOS ids "bos", "bos2", "eos", "has_eos": see batches.layout); opt_count: the optimizer's own step counter
+    after the step (a per-parameter "step" of its state; None for an optimizer without one); groups: on the
+    first record of each watch only, the optimizer's param groups as configured (``WatchContext.group_config``).
+    ``step`` counts from the step the watch was attached at (a resumed loop's)."""
 
     step: int
     loss: float | None
@@ -40,6 +48,10 @@ class StepRecord:
     scale: float | None
     skipped: int
     micro_batches: int
+    batches: list[int] = field(default_factory=list)
+    layout: dict | None = None
+    opt_count: int | None = None
+    groups: list[dict] | None = None
 
 
 class WatchContext:
@@ -59,6 +71,12 @@ class WatchContext:
         self.history: list[StepRecord] = []
         self.stale_grads: dict | None = None
         self.skipped_steps = 0  # optimizer steps the loss scaler skipped (its scale fell), trailing ones included
+        self.pending_batch: dict | None = None  # the batch of the forward in flight (a crash's batch)
+        self.backward_seen = False  # at a step: whether a backward ran through a training forward since the last
+        self.start_step = 0  # the loop's step when the watch was attached (a resumed loop's step; ``step`` too)
+        self.previous: WatchContext | None = None  # the watch of the run's segment before a resume, if given
+        self.batches_seen: dict[int, int] = {}  # training batch hash -> the step it was trained at
+        self.train_rows: set[int] = set()  # hashes of the training rows seen (at most MAX_ROWS)
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
         self._names: dict[int, str] | None = None
         self._lm = None
@@ -111,6 +129,35 @@ class WatchContext:
                 return name.rpartition(".")[0] or name
         return "?"
 
+    MAX_ROWS = 200_000
+
+    def group_config(self) -> list[dict]:
+        """The optimizer's param groups as configured: per group the number of parameters and of their elements,
+        their dtypes, and each hyperparameter other than the lr (betas, eps, weight_decay, momentum, ...)."""
+        out = []
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            conf = {"params": len(params), "numel": sum(p.numel() for p in params),
+                    "dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params})}
+            for key, value in group.items():
+                if key in ("params", "lr", "initial_lr") or key.startswith("_"):
+                    continue
+                if isinstance(value, (bool, int, float, str)) or value is None:
+                    conf[key] = value
+                elif isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
+                    conf[key] = list(value)
+            out.append(conf)
+        return out
+
+    def optimizer_count(self) -> int | None:
+        """The optimizer's own step counter: the "step" of its state for one parameter (Adam, AdamW, RMSprop,
+        Adagrad keep one per parameter, all stepped together), None when its state holds none."""
+        for state in self.optimizer.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if step is not None:
+                return int(step)
+        return None
+
     def optimizer_params(self) -> list[torch.Tensor]:
         """Every parameter of the optimizer's groups, once."""
         seen: dict[int, torch.Tensor] = {}
@@ -126,6 +173,9 @@ class BlackBoxDetector(Detector):
     Hooks (all optional):
       on_start(ctx)                         the watch is entered
       on_forward(ctx, batch, logits, loss)  each training forward (grad enabled, model in train mode)
+      on_backward(ctx, batch, logits, grad_logits)
+                                            the backward through that forward's logits: d loss / d logits
+                                            (same shape, detached, divided by an enabled scaler's scale)
       on_before_step(ctx)                   optimizer step pre-hook: gradients as the optimizer sees them
       on_after_step(ctx, record)            optimizer step post-hook, with the step's StepRecord
       on_eval_forward(ctx, batch, logits)   a forward without grad (evaluation, generation)
@@ -150,6 +200,14 @@ class BlackBoxDetector(Detector):
     # the hooks: no-ops here; the watch calls only the ones a detector overrides
     def on_start(self, ctx: WatchContext) -> None: ...
     def on_forward(self, ctx: WatchContext, batch: dict, logits: torch.Tensor | None, loss) -> None: ...
+
+    def on_backward(self, ctx: WatchContext, batch: dict, logits: torch.Tensor, grad_logits: torch.Tensor) -> None:
+        """The gradient of the loop's loss w.r.t. the logits of a training forward, as its backward computed it
+        (detached; divided by the loss scale under an enabled scaler). For a token-level cross-entropy it is
+        w[b, t] * (softmax(logits[b, t]) - onehot(label)): the labels and per-token weights the loop trained with,
+        whether or not the model returned a loss (detectors.blackbox.gradients). Fired only for detectors that
+        override it; the watch's hook costs nothing otherwise."""
+
     def on_before_step(self, ctx: WatchContext) -> None: ...
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None: ...
     def on_eval_forward(self, ctx: WatchContext, batch: dict, logits: torch.Tensor | None) -> None: ...

@@ -1,0 +1,497 @@
+"""What the gradient w.r.t. the logits says about a loop's loss (black-box track).
+
+A token-level cross-entropy, however a loop computes it (in the model or outside, mean or sum, one
+micro-batch or a window of them, ignore_index or a weight mask), has the gradient
+
+    d loss / d logits[b, t] = w[b, t] * (softmax(logits[b, t]) - onehot(y[b, t])),   w >= 0
+
+(times the loss scale under a GradScaler; the watch divides it out). From the logits and that gradient
+(``BlackBoxDetector.on_backward``) every position gives back the label y it was trained towards (the only
+negative entry), the weight w the loss gave it (0: ignored), and so the loss itself, sum(w * nll), with no
+assumption on the code that computed it. The detectors here compare that with the batch the model saw:
+
+- ``bb_implied_labels``: the labels are the next input tokens (not the token itself, not the one after next,
+  not another row's, not shifted by the padding);
+- ``bb_loss_padding``: no weight on targets that are padding, and no real token ignored because its id is the
+  pad id (pad == EOS);
+- ``bb_loss_normalization``: a mean loss over the step's targets: the weights of one optimizer step (all its
+  micro-batches) sum to 1 and do not depend on which micro-batch a token was in.
+A loss that is not a softmax cross-entropy of these logits (label smoothing, a temperature, distillation) is
+recognized by the gradient's shape and these detectors say "not applicable".
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from detectors.api import NotApplicable, register
+from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+
+MIN_POSITIONS = 8  # labelled positions a micro-batch needs before its labels say anything
+SATURATED = 1e-4  # 1 - p(label) below this: the weight is not measurable (the loss is ~0 there anyway)
+
+
+@dataclass
+class Implied:
+    """Per position (B, T) of one micro-batch: ``labelled`` (the gradient has a negative entry: the position is
+    a target), ``y`` (that entry: the label), ``w`` (the weight; NaN where saturated, 0 where unweighted),
+    ``nll`` (-log p(y)); ``loss``: sum(w * nll), this micro-batch's share of the loss the backward
+    differentiated; ``residual``: the gradient's distance from w * (softmax - onehot) on a sample of positions
+    (relative; ~1e-6 in fp32, ~1e-2 from bf16 gradients; large for a loss that is not a softmax cross-entropy)."""
+
+    labelled: torch.Tensor
+    y: torch.Tensor
+    w: torch.Tensor
+    nll: torch.Tensor
+    loss: float
+    residual: float | None
+
+    @property
+    def weight_sum(self) -> float:
+        """Sum of the measurable weights; each saturated labelled position counts with the median weight."""
+        known = self.w[self.labelled & ~self.w.isnan()]
+        if known.numel() == 0:
+            return 0.0
+        unknown = int((self.labelled & self.w.isnan()).sum())
+        return float(known.sum()) + unknown * float(known.median())
+
+
+_cache: tuple[torch.Tensor, Implied] | None = None  # the last analysed gradient (the watch and detectors share it)
+
+
+def implied(logits: torch.Tensor, grad: torch.Tensor) -> Implied | None:
+    """The labels, weights and loss implied by ``grad`` = d loss / d ``logits`` (B, T, V), or None for other
+    shapes. Cost: one min and one logsumexp over the logits (cached for the same ``grad`` object)."""
+    global _cache
+    if _cache is not None and _cache[0] is grad:
+        return _cache[1]
+    if logits.dim() != 3 or grad.shape != logits.shape or not logits.is_floating_point():
+        return None
+    with torch.no_grad():
+        z, g = logits.detach().float(), grad.detach().float()
+        g_y, y = g.min(-1)
+        labelled = g_y < 0
+        nll = torch.logsumexp(z, -1) - z.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        nll = nll.clamp(min=0)
+        q = -torch.expm1(-nll)  # 1 - p(y)
+        measurable = labelled & (q > SATURATED)
+        w = torch.where(measurable, -g_y / q.clamp(min=SATURATED), torch.zeros_like(q))
+        w = torch.where(labelled & ~measurable, torch.full_like(w, math.nan), w)
+        # w * nll, stable where p(y) -> 1: -g_y * nll / q with nll / q -> 1
+        ratio = torch.where(q > 1e-12, nll / q.clamp(min=1e-12), torch.ones_like(q))
+        loss = float((-g_y * ratio * labelled).sum())
+        result = Implied(labelled, y, w, nll, loss, _residual(z, g, y, w, measurable))
+    _cache = (grad, result)
+    return result
+
+
+def _residual(z, g, y, w, measurable, sample: int = 32) -> float | None:
+    """Relative distance of the gradient from w * (softmax - onehot(y)) over up to ``sample`` positions."""
+    idx = measurable.flatten().nonzero().squeeze(-1)
+    if idx.numel() == 0:
+        return None
+    idx = idx[torch.linspace(0, idx.numel() - 1, min(sample, idx.numel())).long()]
+    zf, gf = z.reshape(-1, z.shape[-1])[idx], g.reshape(-1, g.shape[-1])[idx]
+    expected = torch.softmax(zf, -1)
+    expected[torch.arange(idx.numel()), y.flatten()[idx]] -= 1
+    expected *= w.flatten()[idx].unsqueeze(-1)
+    return float((gf - expected).abs().sum() / gf.abs().sum().clamp(min=1e-30))
+
+
+class _GradientDetector(BlackBoxDetector):
+    """Shared: the implied targets of each training backward, after a check that the loss is a softmax
+    cross-entropy of the logits the model returned (else not applicable)."""
+
+    MAX_RESIDUAL = 0.03  # fp32: ~1e-6, bf16/fp16 gradients: ~1e-2 at most; label smoothing 0.2: ~0.08
+    CHECKS = 2  # backwards whose gradient must not have the cross-entropy shape before giving up
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._off_shape = 0
+
+    def implied_of(self, logits, grad) -> Implied | None:
+        if logits is None or grad is None:
+            return None
+        result = implied(logits, grad)
+        if result is None:
+            raise NotApplicable("the model's output is not per-position logits (batch, positions, vocabulary)")
+        if result.residual is not None and result.residual > self.MAX_RESIDUAL:
+            self._off_shape += 1
+            if self._off_shape >= self.CHECKS:
+                raise NotApplicable(
+                    f"the loss's gradient w.r.t. the logits is not w * (softmax - onehot) (relative residual "
+                    f"{result.residual:.2g}): not a plain softmax cross-entropy of these logits (label smoothing, "
+                    "a temperature, distillation?)")
+            return None
+        return result
+
+
+def _tokens(batch: dict, implied_: Implied) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(input_ids, attention_mask or None) of the batch when they are laid out like the logits."""
+    ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    if ids is None or ids.dim() != 2 or tuple(ids.shape) != tuple(implied_.y.shape):
+        return None
+    ids = ids.to(implied_.y.device)
+    if mask is not None and tuple(mask.shape) != tuple(ids.shape):
+        mask = None
+    return ids, (None if mask is None else mask.to(ids.device).bool())
+
+
+def next_token_rate(result: Implied, ids: torch.Tensor) -> float | None:
+    """Share of the labelled positions (with a next input token) whose label is that next token; None when too
+    few positions are labelled."""
+    lab = result.labelled[:, :-1]
+    if int(lab.sum()) < MIN_POSITIONS:
+        return None
+    return float(((result.y[:, :-1] == ids[:, 1:]) & lab).sum()) / float(lab.sum())
+
+
+def _left_pads(mask: torch.Tensor | None, rows: int) -> list[int]:
+    """Leading masked positions of each row (0 without a mask)."""
+    if mask is None:
+        return [0] * rows
+    return [int(m.int().argmax()) if bool(m.any()) else int(m.numel()) for m in mask]
+
+
+def _row_offsets(ids: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor, min_rate: float = 0.8) -> list:
+    """Per row: the offset k (-T < k < T) such that y[t] == ids[t + k] on at least ``min_rate`` of the row's
+    labelled positions (the best one), or None (too few labelled positions, or no offset explains them)."""
+    B, T = ids.shape
+    best: list = [None] * B
+    rates = [0.0] * B
+    need = [max(3, int(n) // 2) for n in labelled.sum(1)]  # an offset must explain half of the row at least
+    for k in range(-T + 1, T):
+        lo, hi = max(0, -k), min(T, T - k)
+        if hi <= lo:
+            continue
+        lab = labelled[:, lo:hi]
+        hits = ((y[:, lo:hi] == ids[:, lo + k:hi + k]) & lab).sum(1)
+        counts = lab.sum(1)
+        for b in range(B):
+            if int(counts[b]) >= need[b]:
+                rate = float(hits[b]) / float(counts[b])
+                if rate >= min_rate and rate > rates[b] + 1e-9:
+                    best[b], rates[b] = k, rate
+    return best
+
+
+def _row_sources(ids: torch.Tensor, y: torch.Tensor, labelled: torch.Tensor, min_rate: float = 0.8) -> list:
+    """Per row: the row r whose next tokens (ids[r, t + 1]) are this row's labels on at least ``min_rate`` of its
+    labelled positions (the best one), or None."""
+    lab = labelled[:, :-1]
+    same = (y[:, None, :-1] == ids[None, :, 1:]) & lab[:, None, :]  # (B, B, T-1)
+    counts = lab.sum(1).clamp(min=1)
+    rates = same.sum(-1).float() / counts[:, None].float()
+    best = rates.max(1)
+    return [int(r) if float(v) >= min_rate and int(lab[b].sum()) >= 3 else None
+            for b, (v, r) in enumerate(zip(best.values, best.indices, strict=True))]
+
+
+@register
+class ImpliedLabels(_GradientDetector):
+    """The labels the loss trained each position towards (from the gradient w.r.t. the logits) are the next
+    input tokens. When they are not, what explains them is reported: every row's own token (labels not
+    shifted), the token after next (shifted twice), another row's next tokens (rows permuted), an offset that
+    grows with each row's left padding (labels written at the wrong padding offset: collate). Labels that no
+    offset or row explains are reported at a low confidence. A loop whose batch carries ``labels`` that are
+    already wrong against its input ids is named at the batch (collate), else at the loss."""
+
+    id = "bb_implied_labels"
+    family = "loss"
+    description = "labels implied by the logits' gradient vs the batch's next tokens (shift, permutation, padding)"
+    ALIGNED = 0.9  # labelled positions whose label is the next token: at or above, the micro-batch is aligned
+    MISALIGNED = 0.5  # below: the micro-batch's labels are not the next tokens
+    CONFIRM = 2  # micro-batches in which the same explanation must hold
+    CHECKS = 8  # micro-batches examined at most (the labels a loop builds do not change with training)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.examined = 0
+        self.verdicts: list[tuple[str, dict]] = []
+
+    def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
+        if self.examined >= self.CHECKS or self.findings:
+            return
+        result = self.implied_of(logits, grad_logits)
+        tokens = None if result is None else _tokens(batch, result)
+        if tokens is None:
+            return
+        ids, mask = tokens
+        rate = next_token_rate(result, ids)
+        if rate is None:
+            return
+        self.examined += 1
+        if rate >= self.ALIGNED:
+            self.verdicts.clear()
+            return
+        verdict = self._explain(ids, mask, result, batch.get("labels"))
+        if verdict[0] == "unexplained" and rate >= self.MISALIGNED:
+            return
+        verdict[1]["next_token_rate"] = round(rate, 3)
+        self.verdicts.append(verdict)
+        kinds = [v[0] for v in self.verdicts[-self.CONFIRM:]]
+        if len(kinds) == self.CONFIRM and len(set(kinds)) == 1:
+            self._report(ctx, *verdict)
+
+    def _explain(self, ids, mask, result: Implied, labels) -> tuple[str, dict]:
+        y, labelled = result.y, result.labelled
+        offsets = _row_offsets(ids, y, labelled)
+        pads = _left_pads(mask, ids.shape[0])
+        explained = [(b, k) for b, k in enumerate(offsets) if k is not None]
+        wrong = [(b, k) for b, k in explained if k != 1]
+        evidence = {"rows": len(offsets), "row_offsets": offsets[:16], "left_pads": pads[:16]}
+        if wrong and len(explained) >= max(2, len(offsets) // 2):
+            if all(k - 1 == pads[b] for b, k in wrong) and any(pads[b] for b, _ in wrong) \
+                    and all(k == 1 + pads[b] for b, k in explained):
+                return "padding_offset", evidence
+            k, n = collections.Counter(k for _, k in explained).most_common(1)[0]
+            if k != 1 and n >= 0.8 * len(explained):
+                return f"offset_{k}", evidence
+        sources = _row_sources(ids, y, labelled)
+        moved = [(b, r) for b, r in enumerate(sources) if r is not None and r != b]
+        if moved and sum(r is not None for r in sources) >= max(2, len(sources) // 2):
+            evidence["row_sources"] = sources[:16]
+            evidence["labels_in_batch_permuted"] = _labels_permuted(ids, labels)
+            return "permuted", evidence
+        return "unexplained", evidence
+
+    def _report(self, ctx: WatchContext, kind: str, evidence: dict) -> None:
+        rate = evidence["next_token_rate"]
+        if kind == "padding_offset":
+            self.report(ctx, "collate", "batch",
+                        f"the loss trained each position towards the token (1 + the row's left padding) positions "
+                        f"ahead, not the next one (only {rate:.0%} of the targets are next tokens; unpadded rows are "
+                        "right): the labels are written at the wrong padding offset", evidence, confidence=0.85)
+        elif kind.startswith("offset_"):
+            k = int(kind.split("_")[1])
+            what = {0: "its OWN input token: the labels are not shifted",
+                    2: "the token after next: the labels are shifted twice"}.get(
+                k, f"the token {k} positions ahead (or behind): the labels are shifted by {k - 1} too many")
+            self.report(ctx, "loss", "loss",
+                        f"the loss trained each position towards {what} (only {rate:.0%} of the targets the gradient "
+                        "implies are the next input token)", evidence, confidence=0.9)
+        elif kind == "permuted":
+            in_batch = evidence.get("labels_in_batch_permuted")
+            self.report(ctx, "collate" if in_batch else "loss", "batch" if in_batch else "loss",
+                        f"the loss trained the rows towards the next tokens of OTHER rows of the batch (rows "
+                        f"{evidence['row_sources'][:8]}): inputs and labels were reordered differently"
+                        + (" (the batch's own labels already disagree with its input ids)" if in_batch else ""),
+                        evidence, confidence=0.85)
+        else:
+            self.report(ctx, "loss", "loss",
+                        f"the labels the gradient implies are not the next input tokens (only {rate:.0%} are) and no "
+                        "shift or row order explains them", evidence, confidence=0.5)
+
+
+def _labels_permuted(ids: torch.Tensor, labels) -> bool:
+    """Whether the batch's ``labels`` (aligned with the ids, or shifted by one) belong to other rows' ids."""
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != tuple(ids.shape):
+        return False
+    labels = labels.to(ids.device)
+    keep = labels >= 0
+    own = [float(((labels == ids) & keep).sum()), float(((labels[:, :-1] == ids[:, 1:]) & keep[:, :-1]).sum())]
+    if max(own) >= 0.9 * float(keep.sum()):
+        return False
+    shift = 0 if own[0] >= own[1] else 1
+    lab, src = (labels, ids) if shift == 0 else (labels[:, :-1], ids[:, 1:])
+    kept = lab >= 0
+    rates = ((lab[:, None] == src[None]) & kept[:, None]).sum(-1).float() / kept.sum(1).clamp(min=1)[:, None]
+    best = rates.argmax(1)
+    moved = bool((best != torch.arange(len(best), device=best.device)).any())
+    return moved and bool((rates.max(1).values >= 0.8).all())
+
+
+@register
+class LossPadding(_GradientDetector):
+    """The loss gives no weight to targets that are padding (the next position's attention_mask is 0), and no
+    real target (attention_mask 1) is ignored just because its id is the pad id: the pad id then doubles as a
+    real token (pad == EOS) and the collator masked every occurrence. The pad id is the tokenizer's, else the id
+    the batches hold where attention_mask is 0. Needs an attention_mask with padding, or a tokenizer."""
+
+    id = "bb_loss_padding"
+    family = "collate"
+    description = "loss weights on padded targets, real targets ignored because their id is the pad id (pad == EOS)"
+    MIN_SHARE = 0.02  # of the weighted targets: fewer on padding is left alone
+    CONFIRM = 2
+    CHECKS = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.examined = 0
+        self.hits: dict[str, list[dict]] = {"on_pads": [], "pad_id_ignored": []}
+
+    def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
+        if self.examined >= self.CHECKS:
+            return
+        result = self.implied_of(logits, grad_logits)
+        tokens = None if result is None else _tokens(batch, result)
+        if tokens is None or tokens[1] is None:
+            return
+        ids, mask = tokens
+        rate = next_token_rate(result, ids)
+        # labels aligned with the next tokens first: a misaligned loss is bb_implied_labels' finding
+        if rate is None or rate < ImpliedLabels.ALIGNED:
+            return
+        self.examined += 1
+        lab, real_next = result.labelled[:, :-1], mask[:, 1:]
+        on_pads = int((lab & ~real_next).sum())
+        if on_pads >= max(2, self.MIN_SHARE * float(lab.sum())):
+            self._hit(ctx, "on_pads", {"step": ctx.step, "weighted_pad_targets": on_pads,
+                                       "weighted_targets": int(lab.sum())})
+        pad = _pad_id(ctx, ids, mask)
+        if pad is not None:
+            real_pad_targets = real_next & mask[:, :-1] & (ids[:, 1:] == pad)
+            others = real_next & mask[:, :-1] & (ids[:, 1:] != pad)
+            n = int(real_pad_targets.sum())
+            others_kept = float((lab & others).sum()) >= 0.9 * float(others.sum())
+            if n >= 2 and not bool((lab & real_pad_targets).any()) and others_kept:
+                self._hit(ctx, "pad_id_ignored", {"step": ctx.step, "pad_id": pad, "ignored_real_targets": n})
+
+    def _hit(self, ctx: WatchContext, kind: str, evidence: dict) -> None:
+        hits = self.hits[kind]
+        hits.append(evidence)
+        if len(hits) < self.CONFIRM:
+            return
+        first = hits[0]
+        if kind == "on_pads":
+            self.report_once(kind, ctx, "collate", "batch",
+                             f"the loss gives weight to {first['weighted_pad_targets']} of {first['weighted_targets']} "
+                             "targets that are padding (the next position's attention_mask is 0): pad labels are not "
+                             "ignored, the model is trained to predict padding", {"micro_batches": hits[:4]},
+                             confidence=0.85, step=first["step"])
+        else:
+            self.report_once(kind, ctx, "collate", "batch",
+                             f"every real target whose id is the pad id {first['pad_id']} "
+                             f"({first['ignored_real_targets']} in the batch, attention_mask 1) gets no weight in the "
+                             "loss while the other real targets do: the labels are masked by id, and the pad id is "
+                             "also a real token (pad == EOS?), so the model never learns it",
+                             {"micro_batches": hits[:4]}, confidence=0.8, step=first["step"])
+
+
+def _pad_id(ctx: WatchContext, ids: torch.Tensor, mask: torch.Tensor) -> int | None:
+    """The tokenizer's pad id, else the single id the batch holds where attention_mask is 0."""
+    for name in ("pad_token_id", "pad_id"):
+        value = getattr(ctx.tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    padded = ids[~mask].unique()
+    return int(padded[0]) if padded.numel() == 1 else None
+
+
+@register
+class LossNormalization(_GradientDetector):
+    """A mean loss over the step's targets: the weights the loss gave the targets of one optimizer step, over
+    all its micro-batches, sum to 1 (any correct normalization does: a window token count, a micro-batch mean
+    divided by the accumulation steps when micro-batches are equal, Trainer's num_items_in_batch), and a token's
+    weight does not depend on its micro-batch. Reported: a sum far from 1 (a summed loss, a per-micro-batch
+    mean summed over the window, a double division, a count of the wrong targets; a sum equal to the loss
+    scale: the loss scaled twice), and micro-batches with uniform but different weights (each averaged over its
+    own tokens). With ranks, each rank's sum is its share of the global count x world size: only the median
+    over steps is checked, loosely. A golden envelope that recorded other sums is the user's convention."""
+
+    id = "bb_loss_normalization"
+    family = "loss"
+    description = "sum of the loss's per-token weights over an optimizer step (mean loss: 1) and their uniformity"
+    TOL = 0.03  # relative, one process
+    DDP_BAND = (0.75, 1.33)  # median per-rank sum with ranks
+    UNIFORM_TOL = 0.05  # relative spread of one micro-batch's weights to call them uniform
+    CHECK_STEPS = 6  # steps checked at most (a loop's normalization does not change)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._micro: list[dict] = []
+        self._skips_seen = 0
+        self.sums: list[dict] = []
+        self.uneven: list[dict] = []
+
+    def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
+        if len(self.sums) >= self.CHECK_STEPS:
+            return
+        result = self.implied_of(logits, grad_logits)
+        tokens = None if result is None else _tokens(batch, result)
+        rate = None if tokens is None else next_token_rate(result, tokens[0])
+        if result is None or (rate is not None and rate < ImpliedLabels.ALIGNED):
+            self._micro.append({"unknown": True})  # misaligned labels are bb_implied_labels' finding
+            return
+        known = result.w[result.labelled & ~result.w.isnan()]
+        entry = {"sum": result.weight_sum, "targets": int(result.labelled.sum()),
+                 "scale": float(ctx.scaler.get_scale()) if ctx.scaler_enabled else None}
+        if known.numel() >= MIN_POSITIONS:
+            med = float(known.median())
+            entry["median"] = med
+            entry["uniform"] = bool(med > 0 and float((known - med).abs().max()) <= self.UNIFORM_TOL * med)
+        self._micro.append(entry)
+
+    def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        micro, self._micro = self._micro, []
+        skipped, self._skips_seen = ctx.skipped_steps != self._skips_seen, ctx.skipped_steps
+        if len(self.sums) >= self.CHECK_STEPS or not micro or skipped or record.skipped:
+            return
+        if any(m.get("unknown") for m in micro) or sum(m["targets"] for m in micro) < MIN_POSITIONS:
+            return
+        total = sum(m["sum"] for m in micro)
+        point = {"step": record.step, "weight_sum": total, "micro_batches": len(micro),
+                 "targets": sum(m["targets"] for m in micro), "scale": micro[-1]["scale"]}
+        self.sums.append(point)
+        medians = [m["median"] for m in micro if m.get("uniform")]
+        if len(micro) > 1 and len(medians) == len(micro) and max(medians) > (1 + 4 * self.UNIFORM_TOL) * min(medians):
+            self.uneven.append({**point, "weights": medians})
+        self._judge(ctx, point)
+
+    def _judge(self, ctx: WatchContext, point: dict) -> None:
+        total = point["weight_sum"]
+        if ctx.world_size > 1:
+            if len(self.sums) < 3:
+                return
+            total = statistics.median(p["weight_sum"] for p in self.sums)
+            off = not (self.DDP_BAND[0] <= total <= self.DDP_BAND[1])
+        else:
+            off = abs(total - 1) > self.TOL
+        if off and self._golden_allows(ctx, total):
+            off = False
+        if off:
+            self._report_sum(ctx, point, total)
+        elif self.uneven and len(self.uneven) >= 2:
+            first = self.uneven[0]
+            self.report_once("uneven", ctx, "loss", "loss",
+                             f"the micro-batches of one optimizer step weigh their tokens differently (per-token "
+                             f"weights {', '.join(f'{w:.3g}' for w in first['weights'])}): each micro-batch is "
+                             "averaged over its own tokens, so accumulation is not one big batch (normalize by the "
+                             "window's target count)", {"steps": self.uneven[:4]}, confidence=0.6,
+                             step=first["step"] - 1)
+
+    def _golden_allows(self, ctx: WatchContext, total: float) -> bool:
+        """A golden envelope with recorded weight sums (the user's known-good convention) that covers ``total``."""
+        spans = [s.get("weight_sum") for s in (ctx.golden or {}).get("steps", []) if s.get("weight_sum")]
+        if not spans:
+            return False
+        lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+        return lo * (1 - self.TOL) <= total <= hi * (1 + self.TOL)
+
+    def _report_sum(self, ctx: WatchContext, point: dict, total: float) -> None:
+        k, targets, scale = point["micro_batches"], point["targets"], point["scale"]
+        if scale and scale > 1 and abs(total / scale - 1) < 0.1:
+            subsystem, where, why = "precision", "scaler", (f"the loss scale ({scale:g}): the loss is multiplied by "
+                                                            "the scale twice")
+        elif k > 1 and abs(total / k - 1) < 0.1:
+            subsystem, where, why = "loss", "loss", (f"the number of micro-batches ({k}): each micro-batch is "
+                                                     "averaged over its own targets and the means are summed")
+        elif k > 1 and abs(total * k - 1) < 0.1:
+            subsystem, where, why = "loss", "loss", (f"1 / the number of micro-batches ({k}): the loss is divided by "
+                                                     "the accumulation steps twice")
+        elif total > 2 and abs(total / targets - 1) < 0.5:
+            subsystem, where, why = "loss", "loss", (f"about the number of targets ({targets}): the loss is summed "
+                                                     "over the tokens, not averaged")
+        else:
+            subsystem, where, why = "loss", "loss", ("not 1: the loss is normalized by a count other than the "
+                                                     "number of its targets")
+        self.report_once("sum", ctx, subsystem, where,
+                         f"the per-token weights of the loss over optimizer step {point['step']} sum to {total:.4g} "
+                         f"instead of 1 (a mean over the step's {targets} targets): {why}",
+                         {"steps": self.sums[:4], "world_size": ctx.world_size}, confidence=0.8,
+                         step=point["step"] - 1)
