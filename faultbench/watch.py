@@ -257,6 +257,7 @@ class Watch:
             if isinstance(logits, torch.Tensor) and logits.requires_grad and (self._on_backward or loss is None):
                 self._hook_logits(batch, logits, loss_seen=loss is not None)
         else:
+            self._eval_fingerprint(batch)
             self._fire("on_eval_forward", self.ctx, batch, logits)
 
     def _hook_logits(self, batch: dict, logits: torch.Tensor, loss_seen: bool) -> None:
@@ -307,6 +308,24 @@ class Watch:
         else:
             for key, value in counts.items():
                 self._layout[key] = max(self._layout[key], value) if key == "len" else self._layout.get(key, 0) + value
+
+    EVAL_MIN_TOKENS = 8  # shorter rows (prompts, token-by-token decoding) are not evaluated documents
+
+    def _eval_fingerprint(self, batch: dict) -> None:
+        """An evaluation batch's documents (rows of EVAL_MIN_TOKENS real tokens or more) that the run trained on:
+        counted on the last step's record (``StepRecord.evals``: [evaluated, of them trained on])."""
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+        if not self.ctx.history or not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
+            return
+        lengths = (mask != 0).sum(-1) if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else \
+            torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+        long = (lengths >= self.EVAL_MIN_TOKENS).cpu()
+        if not bool(long.any()):
+            return
+        hashes = row_hashes(ids, mask)[long].tolist()
+        record = self.ctx.history[-1]
+        seen = sum(h in self.ctx.train_rows for h in hashes)
+        record.evals = [(record.evals or [0, 0])[0] + len(hashes), (record.evals or [0, 0])[1] + seen]
 
     def _grad_arrives(self, grad) -> None:
         """The first gradient of the first backward after a step (the logits', before any parameter's is
@@ -435,7 +454,8 @@ def record_golden(runs, path=None) -> dict:
          "scaled": every run stepped under an enabled loss scaler,
          "groups": the optimizer's param groups as configured (WatchContext.group_config), when all runs agree,
          "layout": {"bos" | "bos2" | "eos" | "has_eos": [lo, hi] fraction of the training rows}, "max_len": int,
-         "repeats": the most training batches any run trained on twice}
+         "repeats": the most training batches any run trained on twice,
+         "eval_overlap": the largest fraction of evaluated documents that a run had trained on}
 
     A span is None where no run measured it; keys of fields no run recorded are None.
     """
@@ -468,6 +488,8 @@ def record_golden(runs, path=None) -> dict:
         golden["max_len"] = max(lay["len"] for run in layouts for lay in run)
     else:
         golden["layout"], golden["max_len"] = None, None
+    evals = [[sum(r.evals[i] for r in h if r.evals) for i in (0, 1)] for h in histories]
+    golden["eval_overlap"] = max(seen / n for n, seen in evals) if all(n for n, _ in evals) else None
     batches = [[b for r in h for b in r.batches] for h in histories]
     golden["repeats"] = max(len(b) - len(set(b)) for b in batches) if all(batches) else None
     if path is not None:

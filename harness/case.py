@@ -473,7 +473,8 @@ def _watch(watched: Watched | None, suite: Suite, run) -> None:
     """Attach the case's watch (if it has black-box detectors) to ``run`` as a user's loop would, quiet while the
     suite's hooks run."""
     if watched is not None:
-        watched.attach(run.model, run.optimizer, scheduler=run.scheduler, scaler=run.scaler, tokenizer=run.tokenizer)
+        watched.attach(run.model, run.optimizer, scheduler=run.scheduler, scaler=run.scaler, tokenizer=run.tokenizer,
+                       step=run.step)
         suite.quiet = watched.quiet
 
 

@@ -37,13 +37,16 @@ class Watched:
     def current(self):
         return self.watches[-1] if self.watches and self.watches[-1].attached else None
 
-    def attach(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None) -> None:
-        """Watch a (new) segment of the run: the previous watch, if still attached, ends normally first."""
+    def attach(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, step: int = 0) -> None:
+        """Watch a (new) segment of the run: the previous watch, if still attached, ends normally first. ``step``:
+        the loop's step counter at the start of the segment (a resumed run's); the previous segment's watch is
+        handed to the new one, as a user resuming their loop would."""
         from faultbench.watch import Watch
 
         self.finish()
         watch = Watch(model, optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer, detectors=self.ids,
-                      golden=self.golden, rank=self.rank, world_size=self.world_size, report=False)
+                      golden=self.golden, rank=self.rank, world_size=self.world_size, report=False, step=step,
+                      previous=self.watches[-1] if self.watches else None)
         self.watches.append(watch)
         watch.__enter__()
 
@@ -56,6 +59,7 @@ class Watched:
         class CaseCallback(FaultbenchCallback):
             def on_train_begin(self, args, state, control, **kwargs):
                 watched.finish()
+                self.previous = watched.watches[-1] if watched.watches else None
                 super().on_train_begin(args, state, control, **kwargs)
                 watched.watches.append(self.watch)
 

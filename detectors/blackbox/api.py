@@ -38,7 +38,9 @@ class StepRecord:
     BOS/EOS ids "bos", "bos2", "eos", "has_eos": see batches.layout); opt_count: the optimizer's own step counter
     after the step (a per-parameter "step" of its state; None for an optimizer without one); groups: on the
     first record of each watch only, the optimizer's param groups as configured (``WatchContext.group_config``).
-    ``step`` counts from the step the watch was attached at (a resumed loop's)."""
+    evals: [documents evaluated after the step (rows of evaluation forwards, prompts and decoding left out), how
+    many of them the run had trained on], None without evaluation. ``step`` counts from the step the watch was
+    attached at (a resumed loop's)."""
 
     step: int
     loss: float | None
@@ -52,6 +54,7 @@ class StepRecord:
     layout: dict | None = None
     opt_count: int | None = None
     groups: list[dict] | None = None
+    evals: list[int] | None = None
 
 
 class WatchContext:

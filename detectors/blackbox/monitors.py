@@ -368,3 +368,7 @@ class GoldenLoss(BlackBoxDetector):
                              f"from step {first['step']} the loss ({first['loss']:.4g}) left the envelope of the "
                              f"known-good runs ({first['golden'][0]:.4g}..{first['golden'][1]:.4g}) for "
                              f"{self.MIN_STEPS} steps in a row", {"steps": self._streak}, confidence=0.3)
+
+
+# the monitors against golden runs, resumed segments and other ranks live beside these (registered on import)
+from detectors.blackbox import monitors_state  # noqa: E402,F401
