@@ -1,10 +1,10 @@
-"""results/peers.md: the peer tools and our suite scored on the same cases, side by side.
+"""results/peers.md: the peer tools and our suites scored on the same cases, side by side.
 
-Every tool's rows come from a bench.csv written by the same scorer (``harness.score.case_rows``): our
-suite from results/bench.csv (``make bench``), the anomaly-mode baseline and each peer from
-results/peers/<tool>/bench.csv (``make bench-peers``). The cases are matched by name (fault/recipe/seed),
-so a tool's overhead is its case's training time over the same case's time without any tool (the suite's
-run minus its step hooks, which is the plain run's time).
+Every tool's rows come from a bench.csv written by the same scorer (``harness.score.case_rows``): our two
+suites (white-box, and black-box: the peers' own track) from results/bench.csv (``make bench``), the
+anomaly-mode baseline and each peer from results/peers/<tool>/bench.csv (``make bench-peers``). The cases
+are matched by name (fault/recipe/seed), so a tool's overhead is its case's training time over the same
+case's time without any tool (the suite's run minus its step hooks, which is the plain run's time).
 
 ``python -m peers.report [--results results]``
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.atomic import write_text
-from harness.score import SUITE, aggregate, exclusive_overhead
+from harness.score import BLACKBOX, SUITE, aggregate, exclusive_overhead
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,6 +38,11 @@ TOOLS = (
     Tool("suite", "faultbench suite", "bench.csv",
          "35 detectors: contract probes of each seam on crafted inputs, differential probes of the whole model, "
          "passive monitors against clean golden traces; each finding names a subsystem and a seam."),
+    Tool("blackbox", "faultbench black-box suite", "bench.csv",
+         "The detectors of the black-box track: they see the run only through faultbench.watch (module, optimizer "
+         "and gradient hooks): behavioural probes of the causal-LM contract on the loop's own batch, the labels "
+         "and weights implied by the logits' gradient, monitors of the optimizer, scaler and batches, and the "
+         "envelope of known-good runs; a finding names the user's module or object. The peers' own track."),
     Tool("detect_anomaly", "torch.autograd.detect_anomaly", "peers/detect_anomaly/bench.csv",
          "PyTorch's anomaly mode for the whole run: a backward function that returns NaN raises, with the "
          "forward traceback of the op that made it; mapped to the innermost seam on that traceback."),
@@ -67,6 +72,9 @@ TOOLS = (
          "of two identical clean fp32 runs while the adapter was built, so its false-positive rate can read 1/9 "
          "on another run of the same cases."),
 )
+
+
+OURS = (SUITE, BLACKBOX)  # the white-box track's suite and the black-box track's, which the peers belong to
 
 
 def _value(cell: str):
@@ -100,7 +108,7 @@ def tool_scores(results: Path, tool: Tool, rows: list[dict]) -> dict:
     from its hooks' share of the step time (aggregate's); an exclusive baseline of the bench against the same
     bench's suite case (``exclusive_overhead``); a peer from its side-by-side measurement (peers/overhead.py)."""
     scores = aggregate(rows, passive={})
-    if tool.id == SUITE:
+    if tool.id in (SUITE, BLACKBOX):  # from its hooks' share of the step time, as the leaderboard counts it
         return scores
     if tool.id == "detect_anomaly":  # against the same cases of its own bench run with crash_triage only (no hooks)
         plain = read_rows(results, dataclasses.replace(tool, id="crash_triage"))
@@ -198,18 +206,20 @@ def render(results: Path) -> str:
         lines.append(f"| `{fault}` | " + " | ".join(cells) + " |")
 
     nobody = [f for f in sorted(faults) if not any(by_tool[t.id].get(f, {}).get("detected") for t in ran)]
-    no_peer = [f for f in sorted(faults) if not any(by_tool[t.id].get(f, {}).get("detected") for t in ran
-                                                    if t.id != "suite")]
+    peers = [t for t in ran if t.id not in OURS]
+    no_peer = [f for f in sorted(faults) if not any(by_tool[t.id].get(f, {}).get("detected") for t in peers)]
     lines += ["", "## Faults no tool catches", "",
               ("None: every fault is detected by at least one tool on at least one seed." if not nobody
                else ", ".join(f"`{f}`" for f in nobody)),
               "", f"Faults no peer catches on any seed ({len(no_peer)} of {len(faults)}): "
               + (", ".join(f"`{f}`" for f in no_peer) or "none") + ".", "",
-              "## Where a peer beats our suite", ""]
-    for t in ran[1:]:
-        won = beats(by_tool[t.id], faults)
-        lines.append(f"- **{t.name}**: " + ("; ".join(won) if won else "on no fault (detection, localization or "
-                                                                    "latency)") + ".")
+              "## Where a peer beats our suites", ""]
+    ours = [(t, by_tool[t.id]) for t in ran if t.id in OURS]
+    for t in peers:
+        for suite, scores in ours:
+            won = beats(by_tool[t.id], scores)
+            lines.append(f"- **{t.name}** vs the {suite.name}: " + ("; ".join(won) if won else
+                         "on no fault (detection, localization or latency)") + ".")
     return "\n".join(lines) + "\n"
 
 
