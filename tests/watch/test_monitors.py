@@ -117,3 +117,185 @@ def test_a_non_finite_forward_is_localized_to_its_first_module_and_explains_the_
     assert (top.detector, top.subsystem, top.where) == ("bb_first_nonfinite", "model", "transformer.h.1.mlp.gelu")
     skips = next(f for f in w.findings if f.detector == "bb_scaler_skips")
     assert skips.where == "scaler" and skips.confidence < top.confidence and skips.evidence["non_finite_loss"]
+
+
+# ---- monitors v2: against the user's golden runs, across a resume, at a crash -----------------------------------
+# A resumable loop of our own in the usual style (AdamW, a LambdaLR warmup then decay, its batches fixed by a seed),
+# trained in segments: each segment is a fresh model/optimizer/scheduler loaded from the previous one's state dicts,
+# under a watch told the step it resumes at and handed the previous segment's watch.
+MONITORS = ["bb_golden_lr", "bb_golden_grad_norm", "bb_golden_config", "bb_resume_continuity", "bb_batch_replay",
+            "bb_golden_layout", "bb_crash_site"]
+STEPS, RESUME = 12, 6
+
+
+def _batches(seed: int, n: int = STEPS, bos: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """n (x, y) batches of 8 rows "BOS text EOS" (ids 0 and 1 of the char vocabulary stand for BOS and EOS); y is x
+    shifted, its last target ignored (-1, nanoGPT's ignore_index)."""
+    from tests.watch.nanogpt import SPLITS
+
+    g, data, out = torch.Generator().manual_seed(seed), SPLITS["train"], []
+    for _ in range(n):
+        ix = torch.randint(len(data) - 40, (8,), generator=g)
+        text = torch.stack([data[i:i + 30] for i in ix]).clamp_min(2)
+        first = torch.zeros(8, 1, dtype=torch.long) if bos else text[:, :1]
+        x = torch.cat([first, text, torch.ones(8, 1, dtype=torch.long)], 1)
+        out.append((x, torch.cat([x[:, 1:], torch.full((8, 1), -1)], 1)))
+    return out
+
+
+class Tok:
+    from tests.watch.nanogpt import TOKENIZER
+
+    bos_token_id, eos_token_id, vocab_size = 0, 1, TOKENIZER.vocab_size
+
+
+def _parts(seed: int, state: dict | None = None, load=("model", "optimizer", "scheduler")):
+    model, optimizer, _ = build(TrainConfig(), seed=seed)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4) * 0.9 ** max(0, s - 4))
+    for key, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+        if state is not None and key in load:
+            obj.load_state_dict(state[key])
+    return model, optimizer, scheduler
+
+
+def _segment(parts, batches, start, stop, *, golden=None, previous=None, betas=None):
+    model, optimizer, scheduler = parts
+    if betas is not None:
+        for group in optimizer.param_groups:
+            group["betas"] = betas
+    w = faultbench.watch(model, optimizer, scheduler=scheduler, tokenizer=Tok(), golden=golden, report=False,
+                         detectors=MONITORS, step=start, previous=previous)
+    with w:
+        for s in range(start, stop):
+            x, y = batches[s]
+            _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    return w
+
+
+def _state(parts) -> dict:
+    return {k: obj.state_dict() for k, obj in zip(("model", "optimizer", "scheduler"), parts, strict=True)}
+
+
+@functools.cache
+def _golden() -> dict:
+    """The user's known-good runs: two uninterrupted runs on other seeds."""
+    return faultbench.record_golden([_segment(_parts(s), _batches(s), 0, STEPS) for s in (100, 101)])
+
+
+def _resumed(seed: int, bug: str | None = None):
+    """(first watch, resumed watch) of a run resumed at RESUME, with ``bug`` in the resume."""
+    golden, batches = _golden(), _batches(seed)
+    first = _segment(_parts(seed), batches, 0, RESUME, golden=golden)
+    state = _state((first.ctx.model, first.ctx.optimizer, first.ctx.scheduler))
+    load = {"optimizer_lost": ("model", "scheduler"), "scheduler_lost": ("model", "optimizer")}.get(
+        bug, ("model", "optimizer", "scheduler"))
+    data = batches[:RESUME] * 2 if bug == "data_replayed" else batches  # the data order restarts from its start
+    start = RESUME + 1 if bug == "step_ahead" else RESUME  # the restored step counter is one ahead
+    second = _segment(_parts(seed + 50, state, load), data, start, STEPS, golden=golden, previous=first)
+    return first, second
+
+
+def test_golden_records_the_optimizer_the_lr_the_layout_and_the_data():
+    golden = _golden()
+    assert golden["runs"] == 2 and len(golden["steps"]) == STEPS
+    lrs = [s["lrs"][0] for s in golden["steps"]]
+    assert lrs[0] == pytest.approx([3e-3 / 4] * 2) and lrs[3] == pytest.approx([3e-3] * 2)  # the schedule's LR
+    assert [g["params"] for g in golden["groups"]] == [len(g["params"]) for g in _parts(0)[1].param_groups]
+    assert golden["groups"][0]["betas"] == [0.9, 0.99] and golden["groups"][0]["dtypes"] == ["float32"]
+    assert golden["layout"] == {"bos": [1.0, 1.0], "bos2": [0.0, 0.0], "eos": [1.0, 1.0], "has_eos": [1.0, 1.0]}
+    assert golden["repeats"] == 0 and golden["max_len"] == 32 and golden["scaled"] is False
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_correct_resume_with_its_golden_yields_no_finding(seed):
+    first, second = _resumed(seed)
+    assert second.ctx.start_step == RESUME and [r.step for r in second.ctx.history] == list(range(7, STEPS + 1))
+    assert second.ctx.history[0].opt_count == RESUME + 1  # the optimizer's own counter continued
+    assert first.findings == [] and second.findings == [], _messages(second)
+    assert not {"bb_golden_lr", "bb_resume_continuity", "bb_batch_replay", "bb_golden_layout"} & \
+        set(second.not_applicable), second.not_applicable
+
+
+# bug -> (detector, subsystem, where) of the resumed watch's top finding
+RESUME_BUGS = {
+    "optimizer_lost": ("bb_resume_continuity", "checkpoint", "optimizer"),
+    "scheduler_lost": ("bb_golden_lr", "checkpoint", "scheduler"),
+    "data_replayed": ("bb_batch_replay", "checkpoint", "data loader"),
+    "step_ahead": ("bb_resume_continuity", "checkpoint", "checkpoint"),
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("bug", sorted(RESUME_BUGS))
+def test_a_broken_resume_is_found_at_the_checkpoint(bug, seed):
+    first, second = _resumed(seed, bug)
+    assert first.findings == [], _messages(first)  # the run was fine until the resume
+    assert second.findings, f"{bug}: no finding"
+    top = second.findings[0]
+    assert (top.detector, top.subsystem, top.where) == RESUME_BUGS[bug], _messages(second)
+    assert top.step <= RESUME + 2  # found at the first resumed steps
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_schedule_that_differs_from_the_golden_is_an_optimizer_finding(seed):
+    parts = _parts(seed)
+    parts[2].lr_lambdas[0] = lambda s: 16 * min(1.0, (s + 1) / 4)  # an LR scaled x16, never decayed
+    w = _segment(parts, _batches(seed), 0, STEPS, golden=_golden())
+    top = w.findings[0]
+    assert (top.detector, top.subsystem, top.where) == ("bb_golden_lr", "optimizer", "scheduler"), _messages(w)
+    assert top.step == 3 and top.evidence["points"][0] == {"step": 2, "group": 0, "lr": pytest.approx(16 * 3e-3 / 2),
+                                                           "golden": pytest.approx([3e-3 / 2] * 2)}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_optimizer_configured_unlike_the_golden_and_rows_without_bos_are_found(seed):
+    w = _segment(_parts(seed), _batches(seed), 0, STEPS, golden=_golden(), betas=(0.99, 0.9))
+    config = next(f for f in w.findings if f.detector == "bb_golden_config")
+    assert (config.subsystem, config.where) == ("optimizer", "optimizer") and "betas" in config.message
+    w = _segment(_parts(seed), _batches(seed, bos=False), 0, STEPS, golden=_golden())
+    top = w.findings[0]
+    assert (top.detector, top.subsystem, top.evidence["key"], top.evidence["fraction"]) == \
+        ("bb_golden_layout", "data", "bos", 0.0), _messages(w)
+
+
+def test_a_crash_on_an_id_outside_the_vocabulary_is_a_data_finding():
+    batches = _batches(0)
+    batches[3][0][2, 5] = Tok.vocab_size  # one id past the vocabulary: the embedding raises
+    w = None
+    with pytest.raises(IndexError):
+        parts = _parts(0)
+        w = faultbench.watch(*parts[:2], scheduler=parts[2], tokenizer=Tok(), report=False, detectors=MONITORS)
+        with w:
+            for x, y in batches:
+                parts[0](x, y)[1].backward()
+                parts[1].step()
+    assert w.ctx.step == 3
+    top = w.findings[0]
+    assert (top.detector, top.subsystem, top.where) == ("bb_crash_site", "data", "batch")
+    assert top.evidence == {"max_id": Tok.vocab_size, "vocab": Tok.vocab_size}
+
+
+def test_no_per_parameter_hook_runs_in_the_steps_without_a_scaler_and_one_with_it():
+    """The watch's passive cost: without an enabled scaler no parameter carries a hook; with one, after the first
+    backward a single parameter does (the one a backward completes last)."""
+    for amp in (False, True):
+        cfg = TrainConfig(amp=amp)
+        model, optimizer, scaler = build(cfg, seed=0)
+        ids = ["bb_grads_cleared", "bb_clip_scaled"] if amp else ["bb_grads_cleared"]
+        result = train(cfg, steps=3, parts=(model, optimizer, scaler),
+                       watch=lambda m, o, s, ids=ids: faultbench.watch(m, o, scaler=s, report=False, detectors=ids))
+        w = result["watch"]
+        assert not w.attached
+        hooked = [p for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+        assert hooked == []  # all removed at exit
+        assert w.errors == {}
+        if amp:  # the backward norm was measured every step from one hook
+            assert all(r.backward_norm for r in w.ctx.history)
+            assert w._last_param is not None and len(w._grad_handles) == len(w._trainable)
+        else:
+            assert w._grad_handles == {} and all(r.backward_norm is None for r in w.ctx.history)
