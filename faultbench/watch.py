@@ -21,7 +21,8 @@ What it attaches (all removed on exit, also when the block raises; nothing of to
 - on the logits of each training forward (when a detector takes ``on_backward``, or the model returned no loss):
   a gradient hook giving d loss / d logits (divided by an enabled scaler's scale) to ``on_backward``; from it
   the loss the loop differentiated (sum of weight x NLL over the positions, detectors.blackbox.gradients) fills
-  the step's loss when no loss was observed.
+  the step's loss when no loss was observed, on every ``IMPLIED_LOSS_EVERY``-th step (from the first; the
+  others keep None: two passes over the logits cost a few % of a small model's step).
 Detector errors never reach the loop: they are kept in the report. ``observe(loss=...)`` gives the loss of a
 loop whose model does not return it.
 """
@@ -254,15 +255,17 @@ class Watch:
                 self._stale_hooked = True
                 logits.register_hook(self._guard(self._grad_arrives))
             self._fire("on_forward", self.ctx, batch, logits, loss)
-            if isinstance(logits, torch.Tensor) and logits.requires_grad and (self._on_backward or loss is None):
-                self._hook_logits(batch, logits, loss_seen=loss is not None)
+            # the loss the backward differentiates, when the model returns none: every IMPLIED_LOSS_EVERY-th step
+            implied_loss = loss is None and self.ctx.step % IMPLIED_LOSS_EVERY == 0
+            if isinstance(logits, torch.Tensor) and logits.requires_grad and (self._on_backward or implied_loss):
+                self._hook_logits(batch, logits, implied_loss)
         else:
             self._eval_fingerprint(batch)
             self._fire("on_eval_forward", self.ctx, batch, logits)
 
-    def _hook_logits(self, batch: dict, logits: torch.Tensor, loss_seen: bool) -> None:
+    def _hook_logits(self, batch: dict, logits: torch.Tensor, implied_loss: bool) -> None:
         """A gradient hook on this forward's logits: the backward's d loss / d logits, unscaled, to ``on_backward``
-        and, when the model returned no loss, to the step's implied loss. Holds a detached alias only."""
+        and, with ``implied_loss``, to the step's implied loss. Holds a detached alias only."""
         detached = logits.detach()
 
         def logits_grad(grad):
@@ -271,7 +274,7 @@ class Watch:
                 scale = float(self.ctx.scaler.get_scale())
                 if scale != 1.0:
                     grad = grad / scale
-            if not loss_seen:
+            if implied_loss:
                 from detectors.blackbox.gradients import implied
 
                 result = implied(detached, grad)
@@ -408,6 +411,7 @@ class Watch:
                 timer[det.id] = timer.get(det.id, 0.0) + seconds
 
 
+IMPLIED_LOSS_EVERY = 4  # steps: the implied loss costs two passes over the logits (~4% of a small model's step)
 _STEP_HOOKS = ("on_forward", "on_backward", "on_before_step", "on_after_step")  # fired inside the loop's training steps
 
 

@@ -27,7 +27,8 @@ class StepRecord:
 
     loss: mean of the step's training-forward losses (or of ``Watch.observe``); when the model returned none,
     the loss the step's backwards differentiated (sum over micro-batches of weight x NLL implied by the logits'
-    gradient, detectors.blackbox.gradients); None when neither was seen;
+    gradient, detectors.blackbox.gradients), on every ``faultbench.watch.IMPLIED_LOSS_EVERY``-th step from the
+    first; None when neither was seen;
     lrs: the lr of each param group as the optimizer used it; grad_norm: L2 norm of the gradients the
     optimizer stepped with; backward_norm: L2 norm of the gradients as the last backward of the step left
     them (before any clipping or unscaling; scaled), measured under an enabled scaler only, else None;

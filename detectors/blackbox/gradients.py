@@ -23,6 +23,7 @@ recognized by the gradient's shape and these detectors say "not applicable".
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -207,7 +208,7 @@ class ImpliedLabels(_GradientDetector):
     ALIGNED = 0.9  # labelled positions whose label is the next token: at or above, the micro-batch is aligned
     MISALIGNED = 0.5  # below: the micro-batch's labels are not the next tokens
     CONFIRM = 2  # micro-batches in which the same explanation must hold
-    CHECKS = 8  # micro-batches examined at most (the labels a loop builds do not change with training)
+    CHECKS = 4  # micro-batches examined at most (the labels a loop builds do not change with training)
 
     def __init__(self) -> None:
         super().__init__()
@@ -233,6 +234,7 @@ class ImpliedLabels(_GradientDetector):
         if verdict[0] == "unexplained" and rate >= self.MISALIGNED:
             return
         verdict[1]["next_token_rate"] = round(rate, 3)
+        verdict[1]["step"] = ctx.step
         self.verdicts.append(verdict)
         kinds = [v[0] for v in self.verdicts[-self.CONFIRM:]]
         if len(kinds) == self.CONFIRM and len(set(kinds)) == 1:
@@ -262,8 +264,10 @@ class ImpliedLabels(_GradientDetector):
 
     def _report(self, ctx: WatchContext, kind: str, evidence: dict) -> None:
         rate = evidence["next_token_rate"]
+        first = self.verdicts[-self.CONFIRM][1]["step"]  # the step of the first of the agreeing micro-batches
+        report = functools.partial(self.report, step=first)
         if kind == "padding_offset":
-            self.report(ctx, "collate", "batch",
+            report(ctx, "collate", "batch",
                         f"the loss trained each position towards the token (1 + the row's left padding) positions "
                         f"ahead, not the next one (only {rate:.0%} of the targets are next tokens; unpadded rows are "
                         "right): the labels are written at the wrong padding offset", evidence, confidence=0.85)
@@ -272,18 +276,18 @@ class ImpliedLabels(_GradientDetector):
             what = {0: "its OWN input token: the labels are not shifted",
                     2: "the token after next: the labels are shifted twice"}.get(
                 k, f"the token {k} positions ahead (or behind): the labels are shifted by {k - 1} too many")
-            self.report(ctx, "loss", "loss",
+            report(ctx, "loss", "loss",
                         f"the loss trained each position towards {what} (only {rate:.0%} of the targets the gradient "
                         "implies are the next input token)", evidence, confidence=0.9)
         elif kind == "permuted":
             in_batch = evidence.get("labels_in_batch_permuted")
-            self.report(ctx, "collate" if in_batch else "loss", "batch" if in_batch else "loss",
+            report(ctx, "collate" if in_batch else "loss", "batch" if in_batch else "loss",
                         f"the loss trained the rows towards the next tokens of OTHER rows of the batch (rows "
                         f"{evidence['row_sources'][:8]}): inputs and labels were reordered differently"
                         + (" (the batch's own labels already disagree with its input ids)" if in_batch else ""),
                         evidence, confidence=0.85)
         else:
-            self.report(ctx, "loss", "loss",
+            report(ctx, "loss", "loss",
                         f"the labels the gradient implies are not the next input tokens (only {rate:.0%} are) and no "
                         "shift or row order explains them", evidence, confidence=0.5)
 
@@ -318,7 +322,7 @@ class LossPadding(_GradientDetector):
     description = "loss weights on padded targets, real targets ignored because their id is the pad id (pad == EOS)"
     MIN_SHARE = 0.02  # of the weighted targets: fewer on padding is left alone
     CONFIRM = 2
-    CHECKS = 8
+    CHECKS = 4
 
     def __init__(self) -> None:
         super().__init__()
@@ -400,7 +404,7 @@ class LossNormalization(_GradientDetector):
     TOL = 0.03  # relative, one process
     DDP_BAND = (0.75, 1.33)  # median per-rank sum with ranks
     UNIFORM_TOL = 0.05  # relative spread of one micro-batch's weights to call them uniform
-    CHECK_STEPS = 6  # steps checked at most (a loop's normalization does not change)
+    CHECK_STEPS = 3  # steps checked at most (a loop's normalization does not change)
 
     def __init__(self) -> None:
         super().__init__()
