@@ -29,13 +29,13 @@ def _accepted(model: torch.nn.Module) -> frozenset[str]:
 
 
 def _first_logits(out, batch: int, length: int) -> torch.Tensor | None:
-    """The (B, T', V) floating tensor in a forward's return value: ``.logits``, the first such tensor of a
-    tuple/list, or the tensor itself; None when there is none."""
+    """The (B, T', V) floating tensor in a forward's return value (T' = ``length`` or 1; any when ``length`` < 0):
+    ``.logits``, the first such tensor of a tuple/list, or the tensor itself; None when there is none."""
     candidates = [getattr(out, "logits", None)]
     candidates += list(out) if isinstance(out, (tuple, list)) else [out]
     for c in candidates:
         if isinstance(c, torch.Tensor) and c.is_floating_point() and c.dim() == 3 and c.shape[0] == batch:
-            if c.shape[1] in (length, 1):
+            if length < 0 or c.shape[1] in (length, 1):
                 return c
     return None
 
@@ -137,15 +137,56 @@ class CausalLM:
             steps.append(_first_logits(out, input_ids.shape[0], stop - start).float())
         return torch.cat(steps, dim=1)
 
+    @property
+    def has_generate(self) -> bool:
+        """Whether the model has its own ``generate`` taking ``max_new_tokens`` (its decode loop, its cache)."""
+        generate = getattr(self.model, "generate", None)
+        if not callable(generate):
+            return False
+        names = _accepted_fn(generate)
+        return "max_new_tokens" in names or "generation_config" in names
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, new_tokens: int = 8
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Greedy decoding through the model's own ``generate`` (its cache, its decode positions) ->
-        (sequences (B, T + new_tokens), the raw logits of each generated token (B, new_tokens, V) float);
-        None when the model has no ``generate`` or takes no cache."""
-        generate = getattr(self.model, "generate", None)
-        if not (callable(generate) and self.takes_cache):
+        (sequences (B, T + new_tokens), the raw logits each decode call gave for its last position
+        (B, new_tokens, V) float, caught by a forward hook on the model); None when the model has no ``generate``
+        or it returns no sequence of that length.
+        HF style (``generation_config``): ``do_sample=False``; else only ``max_new_tokens``."""
+        if not self.has_generate:
             return None
-        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-        out = generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       use_cache=True, output_logits=True, return_dict_in_generate=True, **kwargs)
-        return out.sequences, torch.stack(out.logits, dim=1).float()
+        generate = self.model.generate
+        names = _accepted_fn(generate)
+        if "generation_config" in names:  # transformers' GenerationMixin
+            kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+                      "use_cache": True}
+        else:  # its own defaults (greedy or sampled: the comparison is teacher-forced on what it generated)
+            kwargs = {"max_new_tokens": new_tokens}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        steps: list[torch.Tensor] = []
+
+        def catch(module, args, output):
+            logits = _first_logits(output, input_ids.shape[0], -1)
+            if logits is not None:
+                steps.append(logits[:, -1].float())
+
+        handle = self.model.register_forward_hook(catch)
+        try:
+            out = generate(input_ids, **kwargs)
+        finally:
+            handle.remove()
+        sequences = getattr(out, "sequences", out)
+        if not isinstance(sequences, torch.Tensor) or sequences.shape[1] != input_ids.shape[1] + new_tokens:
+            return None
+        if len(steps) < new_tokens:
+            return None
+        return sequences, torch.stack(steps[:new_tokens], dim=1)
+
+
+def _accepted_fn(fn) -> frozenset[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))

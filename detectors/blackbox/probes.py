@@ -1,13 +1,17 @@
 """Behavioural probes of the causal-LM contract, on any model a ``CausalLM`` wraps, with variants crafted
 from one of the user's own batches (its shape, its tokens, its pad id): causality, padding invariance, cache
-consistency, position-shift invariance, and label alignment of the loop's loss.
+consistency (the model's own generate), position-shift invariance, a repeated token under relative positions
+(attention weights form a distribution), determinism in eval mode, the output contract (logits, not
+probabilities; a sane scale before training), and label alignment of the loop's loss.
 
-Each probe returns None when the property holds, a ``ProbeResult`` when it breaks, and raises
-``NotApplicable`` when the model does not take the call the probe needs. Localization: forward hooks on every
-submodule record the two runs being compared; the culprit is the FIRST module (completion order) whose
-residual-stream output (a float output shaped like one of its float inputs) moves while those inputs do not:
-the module where the difference is born, not one that merely carries it (an ``o_proj`` fed by a leaking
-attention, the block around it). Failing that, the first module whose output moves at all.
+``ProbeRound`` runs them all on one row of the loop's batch in a few shared forwards (the variants are rows of
+one batch), before the loop's first optimizer step. Each probe returns None when the property holds, a
+``ProbeResult`` when it breaks, and raises ``NotApplicable`` when the model does not take the call the probe needs.
+Localization (only once a property breaks): forward hooks on every submodule record the two runs being compared;
+the culprit is the FIRST module (completion order) whose residual-stream output (a float output shaped like one
+of its float inputs) moves while those inputs do not: the module where the difference is born, not one that
+merely carries it (an ``o_proj`` fed by a leaking attention, the block around it). Failing that, the first module
+whose output moves at all.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,10 +31,11 @@ from detectors.api import NotApplicable, register
 from detectors.blackbox.api import BlackBoxDetector
 from detectors.blackbox.lm import CausalLM
 
-MAX_ROWS, MAX_LEN = 4, 64  # a probe costs a few forwards of at most this batch
-DECODE_LEN = 16  # tokens decoded one by one in the cache probe: each is a forward
+ROWS, LENGTH, MIN_LEN = 1, 12, 8  # a round probes one row of the loop's batch: up to 12 real tokens, at least 8
 PAD_LEN = 3  # pads added on each side in the padding probe
 SHIFT = 3  # positions added in the position-shift probe
+PROMPT_LEN, NEW_TOKENS = 8, 2  # the cache probe's prompt (real tokens) and the tokens generate decodes
+SCALE_FACTOR = 2.0  # a next-token loss over this many times ln V before training: logits far too large
 
 
 @dataclass(frozen=True)
@@ -92,13 +98,6 @@ def traced(model: torch.nn.Module):
             h.remove()
 
 
-def tolerance(calls: list[_Call]) -> float:
-    """Relative logit change allowed by rounding in the dtype the traced forward computed in: the least precise
-    of its modules' float outputs (bf16 under an autocast that wraps the model's forward). fp32: 1e-4, bf16: 0.03."""
-    dtypes = {t.dtype for c in calls for t in c.outputs if t.is_floating_point()} or {torch.float32}
-    return max(1e-4, 4 * max(torch.finfo(d).eps for d in dtypes))
-
-
 Region = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
@@ -152,17 +151,18 @@ class ShortBatch(NotApplicable):
     """The batch at hand holds too few real tokens to probe; a later batch may do."""
 
 
-def real_block(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """(B', L) real tokens of the user's batch, pads dropped wherever they were: its longest rows (up to
-    MAX_ROWS, none shorter than half the longest), all cut to the shortest of them (at most MAX_LEN)."""
-    rows = [input_ids[i] if attention_mask is None else input_ids[i][attention_mask[i].bool()]
+def real_block(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, rows: int = ROWS,
+               length: int = LENGTH) -> torch.Tensor:
+    """(B', L) real tokens of the user's batch, pads dropped wherever they were: its ``rows`` longest rows (none
+    shorter than half the longest), all cut to the shortest of them (at most ``length``, at least MIN_LEN)."""
+    real = [input_ids[i] if attention_mask is None else input_ids[i][attention_mask[i].bool()]
             for i in range(input_ids.shape[0])]
-    rows = sorted(rows, key=len, reverse=True)[:MAX_ROWS]
-    rows = [r for r in rows if len(r) >= len(rows[0]) // 2]
-    length = min(MAX_LEN, len(rows[-1]))
-    if length < 4:
+    real = sorted(real, key=len, reverse=True)[:rows]
+    real = [r for r in real if len(r) >= len(real[0]) // 2]
+    length = min(length, len(real[-1]))
+    if length < MIN_LEN:
         raise ShortBatch(f"the batch's longest rows hold {length} real tokens: too few to probe")
-    return torch.stack([r[:length] for r in rows])
+    return torch.stack([r[:length] for r in real])
 
 
 def other_tokens(ids: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
@@ -188,46 +188,6 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def _compare(lm: CausalLM, run_a: Callable[[], torch.Tensor], run_b: Callable[[], torch.Tensor]):
-    """Both runs traced: (logits a, logits b, calls a, calls b)."""
-    with traced(lm.model) as calls_a:
-        a = run_a()
-    with traced(lm.model) as calls_b:
-        b = run_b()
-    return a, b, calls_a, calls_b
-
-
-# ---- the probes ----
-
-def causality(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-              ) -> ProbeResult | None:
-    """Tokens at positions >= t replaced: logits at < t must not move. Run unpadded, and left-padded with a
-    mask when the model takes one (many models build an explicit mask only for padded batches)."""
-    ids = real_block(input_ids, attention_mask)
-    cut = ids.shape[1] // 2
-    changed = ids.clone()
-    changed[:, cut:] = other_tokens(ids[:, cut:], ids)
-    variants = {"unpadded": (ids, changed, None, 0)}
-    if lm.takes_attention_mask:
-        (padded, mask), (padded_changed, _) = pad(ids, int(ids[0, 0]), "left"), pad(changed, int(ids[0, 0]), "left")
-        variants["left_padded"] = (padded, padded_changed, mask, PAD_LEN)
-    tol, gaps, worst = math.inf, {}, None
-    for name, (a_ids, b_ids, mask, offset) in variants.items():
-        a, b, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, a_ids, mask),
-                                          functools.partial(lm.logits, b_ids, mask))
-        tol = min(tol, tolerance(calls_a))
-        gaps[name] = relative_gap(a[:, offset: offset + cut], b[:, offset: offset + cut])
-        if gaps[name] > tol and worst is None:
-            region = _rows(tuple(a_ids.shape), lambda t, o=offset: t[:, o: o + cut])
-            worst = first_broken(calls_a, calls_b, region, region, tol)
-    if max(gaps.values()) <= tol:
-        return None
-    return ProbeResult("causality", max(gaps.values()), worst, "mask",
-                       f"changing tokens at positions >= {cut} moves the logits before them "
-                       f"(relative change {max(gaps.values()):.3g}); first at {worst}",
-                       {"relative_logit_change": gaps, "cut": cut, "tolerance": tol})
-
-
 def left_padded(attention_mask: torch.Tensor | None) -> bool:
     """Does some row of the batch start with pads and hold real tokens after them?"""
     if attention_mask is None:
@@ -235,179 +195,386 @@ def left_padded(attention_mask: torch.Tensor | None) -> bool:
     return bool(((attention_mask[:, 0] == 0) & (attention_mask.sum(-1) > 0)).any())
 
 
-def padding_invariance(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       pad_id: int | None = None, position_ids: torch.Tensor | None = None) -> ProbeResult | None:
-    """Each row alone vs padded on the left and on the right (masked): real-token logits must match.
-    A left-pad difference that explicit mask-derived positions remove is the model's convention (GPT-2 counts
-    positions from the first column): a bug only where the loop left-pads without passing positions
-    (``position_ids``: the loop's own, if any) -> "position"; a difference positions do not remove -> "mask"."""
-    if not lm.takes_attention_mask:
-        raise NotApplicable("the model takes no attention_mask: padding cannot be masked")
-    ids = real_block(input_ids, attention_mask)
-    pad_id = int(ids[0, 0]) if pad_id is None else pad_id
-    length, gaps, traces = ids.shape[1], {}, {}
-    with traced(lm.model) as calls_alone:
-        alone = lm.logits(ids)
-    tol = tolerance(calls_alone)
-    for side in ("left", "right"):
-        padded, mask = pad(ids, pad_id, side)
-        start = PAD_LEN if side == "left" else 0
-        with traced(lm.model) as calls_padded:
-            got = lm.logits(padded, mask)
-        gaps[side] = relative_gap(alone, got[:, start: start + length])
-        traces[side] = (calls_padded, tuple(padded.shape), start)
-    subsystem, broken = "mask", [side for side in ("left", "right") if gaps[side] > tol]
-    if "left" in broken and lm.takes_position_ids:
-        padded, mask = pad(ids, pad_id, "left")
-        with_positions = lm.logits(padded, mask, positions_from_mask(mask))
-        gaps["left_with_positions"] = relative_gap(alone, with_positions[:, PAD_LEN:])
-        if gaps["left_with_positions"] <= tol:  # positions carry the difference, not the mask
-            if not left_padded(attention_mask) or position_ids is not None:
-                broken.remove("left")  # the loop never feeds that case
-            elif broken == ["left"]:
-                subsystem = "position"
-    if not broken:
-        return None
-    side = max(broken, key=gaps.get)
-    calls_padded, shape, start = traces[side]
-    where = first_broken(calls_alone, calls_padded, _rows(tuple(ids.shape), lambda t: t),
-                         _rows(shape, lambda t: t[:, start: start + length]), tol)
-    cause = ("the loop left-pads without position_ids and positions shift with the pads" if subsystem == "position"
-             else "the mask lets real tokens see pads")
-    return ProbeResult("padding_invariance", gaps[side], where, subsystem,
-                       f"real-token logits change when the row is {side}-padded (relative change {gaps[side]:.3g}): "
-                       f"{cause}; first at {where}", {"relative_logit_gap": gaps, "tolerance": tol})
+@contextlib.contextmanager
+def glimpsed(model: torch.nn.Module):
+    """A light trace of one forward: yields {"dtypes": float dtypes the modules gave, "looked_up": the inputs of
+    every ``nn.Embedding``}; far cheaper than ``traced`` (nothing kept but dtypes and a few index tensors)."""
+    seen: dict = {"dtypes": set(), "looked_up": []}
 
+    def dtype(module, args, output):
+        if isinstance(output, torch.Tensor):
+            if output.is_floating_point():
+                seen["dtypes"].add(output.dtype)
+        elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            if output[0].is_floating_point():
+                seen["dtypes"].add(output[0].dtype)
+
+    def lookup(module, args):
+        seen["looked_up"] += [a for a in args if isinstance(a, torch.Tensor)]
+
+    handles = [m.register_forward_hook(dtype) for m in model.modules()]
+    handles += [m.register_forward_pre_hook(lookup) for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def tolerance_of(dtypes: set) -> float:
+    """Relative logit change allowed by rounding in the least precise float dtype a forward computed in
+    (bf16 under an autocast that wraps the model's forward). fp32: 1e-4, bf16: 0.03."""
+    return max(1e-4, 4 * max(torch.finfo(d).eps for d in (dtypes or {torch.float32})))
+
+
+def _row(i: int, cols: slice = slice(None)) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t[i: i + 1, cols]
+
+
+# ---- one probe round: every model probe on one row of the loop's batch, sharing forwards ----
 
 @dataclass
-class _Decode:
-    """One cached-decode variant traced against its full forward: per-position gaps and the regions that align
-    the full forward's last compared position with the decode's last call (one token)."""
+class _Forward:
+    """One probe forward: its inputs, its float logits, the tolerance of the dtypes it ran in, the ids that
+    ``nn.Embedding``s looked up."""
 
-    gaps: list[float]
-    calls_full: list[_Call]
-    calls_decode: list[_Call]
-    shape: tuple[int, int]  # (B, T) of the full forward
-    last: int  # the full forward's position the decode's last call computes
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    positions: torch.Tensor | None
+    logits: torch.Tensor
     tol: float
+    looked_up: list
 
-    def where(self) -> str | None:
+
+class ProbeRound:
+    """Every behavioural probe of the causal-LM contract on ONE row of the loop's batch (``length`` real tokens),
+    with the variants batched as rows of a few forwards, traced only when a property breaks (to find the module
+    where it is born):
+
+    - forward "plain" (no mask): the row, the row again (eval mode is deterministic), the row with its tokens
+      from ``cut`` on replaced (causality), the row at positions + SHIFT (relative positions) and one token
+      repeated (attention weights form a distribution over keys); positions passed only when the model takes them;
+    - forward "padded" (mask, when the model takes one): the row left-padded, the left-padded changed row, the
+      row right-padded (padding invariance against the plain row, causality under an explicit mask);
+    - the model's own ``generate`` from an unpadded and a left-padded prompt (cache, decode positions) vs one
+      forward over what it generated; a teacher-forced decode through ``past_key_values`` only when it disagrees.
+    Each probe's result is None (holds), a ``ProbeResult`` (broken) or a ``NotApplicable`` (kept, raised by
+    ``result``)."""
+
+    def __init__(self, lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 pad_id: int | None = None, position_ids: torch.Tensor | None = None, length: int = LENGTH):
+        self.lm, self.batch_mask, self.batch_positions = lm, attention_mask, position_ids
+        self.ids = real_block(input_ids, attention_mask, rows=1, length=length)
+        self.pad_id = int(self.ids[0, 0]) if pad_id is None else int(pad_id)
+        self.cut = self.ids.shape[1] // 2
+        self._results: dict[str, ProbeResult | None | NotApplicable] = {}
+        self._plain: _Forward | None = None
+        self._plain_rows: dict[str, int] = {}
+        self._padded: _Forward | None = None
+
+    # -- forwards
+    def _forward(self, ids, mask=None, positions=None) -> _Forward:
+        with glimpsed(self.lm.model) as seen:
+            logits = self.lm.logits(ids, mask, positions)
+        return _Forward(ids, mask, positions, logits, tolerance_of(seen["dtypes"]), seen["looked_up"])
+
+    def _trace(self, fwd: _Forward) -> list[_Call]:
+        with traced(self.lm.model) as calls:
+            self.lm.logits(fwd.ids, fwd.mask, fwd.positions)
+        return calls
+
+    def plain(self) -> _Forward:
+        if self._plain is None:
+            ids, lm = self.ids, self.lm
+            changed = ids.clone()
+            changed[:, self.cut:] = other_tokens(ids[:, self.cut:], ids)
+            rows = {"base": ids, "again": ids, "changed": changed}
+            if lm.takes_position_ids:
+                rows |= {"shifted": ids, "repeated": ids[:, :1].expand_as(ids)}
+            self._plain_rows = {name: i for i, name in enumerate(rows)}
+            batch = torch.cat(list(rows.values()))
+            positions = None
+            if lm.takes_position_ids:
+                positions = torch.arange(ids.shape[1], device=ids.device).expand_as(batch).clone()
+                positions[self._plain_rows["shifted"]] += SHIFT
+            try:
+                self._plain = self._forward(batch, None, positions)
+            except IndexError as exc:  # a learned table shorter than the shifted positions: probe without them
+                if positions is None:
+                    raise
+                self._results["position_shift"] = NotApplicable(
+                    f"shifted positions fall outside the model's position table ({exc})")
+                self._results["attention_distribution"] = NotApplicable("the model's positions are absolute")
+                rows = {k: v for k, v in rows.items() if k in ("base", "again", "changed")}
+                self._plain_rows = {name: i for i, name in enumerate(rows)}
+                batch = torch.cat(list(rows.values()))
+                self._plain = self._forward(batch, None, positions[: len(rows)] if positions is not None else None)
+        return self._plain
+
+    def padded(self) -> _Forward:
+        if self._padded is None:
+            left, mask_left = pad(torch.cat([self.ids, self.plain_row("changed")]), self.pad_id, "left")
+            right, mask_right = pad(self.ids, self.pad_id, "right")
+            self._padded = self._forward(torch.cat([left, right]), torch.cat([mask_left, mask_right]))
+        return self._padded
+
+    def plain_row(self, name: str) -> torch.Tensor:
+        fwd = self.plain()
+        return fwd.ids[self._plain_rows[name]: self._plain_rows[name] + 1]
+
+    def _logits(self, name: str) -> torch.Tensor:
+        i = self._plain_rows[name]
+        return self.plain().logits[i: i + 1]
+
+    # -- results
+    def result(self, probe: str) -> ProbeResult | None:
+        """The probe's result: None, a ProbeResult; raises NotApplicable when the model does not take its call."""
+        if probe not in self._results:
+            try:
+                gated = any(not self._quiet(gate) for gate in GATES.get(probe, ()))
+                self._results[probe] = None if gated else getattr(self, f"_{probe}")()
+            except NotApplicable as exc:
+                self._results[probe] = exc
+        got = self._results[probe]
+        if isinstance(got, NotApplicable):
+            raise got
+        return got
+
+    def _quiet(self, probe: str) -> bool:
+        """Whether ``probe`` broke (a finding of its own)."""
+        try:
+            return self.result(probe) is None
+        except NotApplicable:
+            return True
+
+    def _determinism(self) -> ProbeResult | None:
+        fwd = self.plain()
+        a, b = self._logits("base"), self._logits("again")
+        gap = relative_gap(a, b)
+        if gap <= fwd.tol:
+            return None
+        calls = self._trace(fwd)
+        where = first_broken(calls, calls, _row(self._plain_rows["base"]), _row(self._plain_rows["again"]), fwd.tol)
+        return ProbeResult("determinism", gap, where, "model",
+                           f"two identical rows give different logits in eval mode (relative change {gap:.3g}): "
+                           f"something random (dropout) still acts outside training; first at {where}",
+                           {"relative_logit_change": gap, "tolerance": fwd.tol})
+
+    def _output_contract(self) -> ProbeResult | None:
+        """The logits are logits: finite, not probabilities (non-negative rows summing to 1), and a model that
+        predicts the row's next tokens no worse than far above a uniform guess (ln V nats): a first loss many
+        times ln V means logits at a scale no sane initialization gives."""
+        logits = self._logits("base")[0]
+        vocab = logits.shape[-1]
+        if not torch.isfinite(logits).all():
+            return None  # a non-finite forward is the first-non-finite monitor's finding
+        if bool((logits >= 0).all()) and float((logits.sum(-1) - 1).abs().max()) < 0.02:
+            return ProbeResult("output_contract", 1.0, "", "model",
+                               "the model returns probabilities (non-negative, each row sums to 1), not logits: a "
+                               "cross-entropy on them applies softmax twice", {"vocab": vocab})
+        nll = float(F.cross_entropy(logits[:-1].double(), self.ids[0, 1:]))
+        uniform = math.log(vocab)
+        if nll > SCALE_FACTOR * uniform:
+            return ProbeResult("output_contract", nll / uniform, "", "model",
+                               f"the model's next-token loss on the loop's own tokens is {nll:.3g} nats, "
+                               f"{nll / uniform:.1f}x a uniform guess's ln V = {uniform:.3g}: its logits are "
+                               f"orders of magnitude too large (initialization scale)",
+                               {"next_token_nll": nll, "uniform_nll": uniform})
+        return None
+
+    def _causality(self) -> ProbeResult | None:
+        cut, fwd = self.cut, self.plain()
+        gaps, tol = {}, fwd.tol
+        gaps["unpadded"] = relative_gap(self._logits("base")[:, :cut], self._logits("changed")[:, :cut])
+        padded = None
+        if self.lm.takes_attention_mask:
+            padded = self.padded()
+            tol = min(tol, padded.tol)
+            gaps["left_padded"] = relative_gap(padded.logits[0:1, PAD_LEN: PAD_LEN + cut],
+                                               padded.logits[1:2, PAD_LEN: PAD_LEN + cut])
+        if max(gaps.values()) <= tol:
+            return None
+        if gaps["unpadded"] > tol:
+            calls, a, b = self._trace(fwd), self._plain_rows["base"], self._plain_rows["changed"]
+            where = first_broken(calls, calls, _row(a, slice(0, cut)), _row(b, slice(0, cut)), tol)
+        else:
+            calls = self._trace(padded)
+            cols = slice(PAD_LEN, PAD_LEN + cut)
+            where = first_broken(calls, calls, _row(0, cols), _row(1, cols), tol)
+        gap = max(gaps.values())
+        explained = not self._quiet("attention_distribution")
+        message = (f"changing tokens at positions >= {cut} moves the logits before them (relative change {gap:.3g}); "
+                   f"first at {where}")
+        if explained:
+            message += " (the attention weights are not a distribution over keys either: see that finding)"
+        return ProbeResult("causality", gap, where, "model" if explained else "mask", message,
+                           {"relative_logit_change": gaps, "cut": cut, "tolerance": tol})
+
+    def _padding_invariance(self) -> ProbeResult | None:
+        if not self.lm.takes_attention_mask:
+            raise NotApplicable("the model takes no attention_mask: padding cannot be masked")
+        plain, padded, length = self.plain(), self.padded(), self.ids.shape[1]
+        alone, tol = self._logits("base"), min(plain.tol, padded.tol)
+        starts = {"left": (0, PAD_LEN), "right": (2, 0)}
+        gaps = {side: relative_gap(alone, padded.logits[r: r + 1, s: s + length]) for side, (r, s) in starts.items()}
+        subsystem, broken = "mask", [side for side in ("left", "right") if gaps[side] > tol]
+        if "left" in broken and self.lm.takes_position_ids:
+            left, mask = pad(self.ids, self.pad_id, "left")
+            with_positions = self.lm.logits(left, mask, positions_from_mask(mask))
+            gaps["left_with_positions"] = relative_gap(alone, with_positions[:, PAD_LEN:])
+            if gaps["left_with_positions"] <= tol:  # positions carry the difference, not the mask
+                if not left_padded(self.batch_mask) or self.batch_positions is not None:
+                    broken.remove("left")  # the loop never feeds that case
+                elif broken == ["left"]:
+                    subsystem = "position"
+        if not broken:
+            return None
+        side = max(broken, key=gaps.get)
+        (r, start), base = starts[side], self._plain_rows["base"]
+        where = first_broken(self._trace(plain), self._trace(padded), _row(base),
+                             _row(r, slice(start, start + length)), tol)
+        cause = ("the loop left-pads without position_ids and positions shift with the pads" if subsystem == "position"
+                 else "the mask lets real tokens see pads")
+        return ProbeResult("padding_invariance", gaps[side], where, subsystem,
+                           f"real-token logits change when the row is {side}-padded (relative change "
+                           f"{gaps[side]:.3g}): {cause}; first at {where}",
+                           {"relative_logit_gap": gaps, "tolerance": tol})
+
+    def _absolute_positions(self) -> bool:
+        """Does some ``nn.Embedding`` look the shifted positions up (a learned table of absolute positions)?"""
+        fwd = self.plain()
+        shifted = fwd.positions[self._plain_rows["shifted"]]
+        return any(t.shape[-1] == shifted.shape[-1] and t.dim() >= 1 and
+                   any(torch.equal(r, shifted) for r in t.reshape(-1, t.shape[-1])) for t in fwd.looked_up)
+
+    def _position_shift(self) -> ProbeResult | None:
+        if not self.lm.takes_position_ids:
+            raise NotApplicable("the model takes no position_ids")
+        fwd = self.plain()
+        if "position_shift" in self._results:  # set while building the forward
+            raise self._results["position_shift"]
+        if self._absolute_positions():
+            raise NotApplicable("the model looks its position ids up in a learned table (absolute positions)")
+        gap = relative_gap(self._logits("base"), self._logits("shifted"))
+        if gap <= 10 * fwd.tol:  # rotary tables are recomputed at other angles: rounding grows a little
+            return None
+        calls = self._trace(fwd)
+        where = first_broken(calls, calls, _row(self._plain_rows["base"]), _row(self._plain_rows["shifted"]), fwd.tol)
+        return ProbeResult("position_shift", gap, where, "position",
+                           f"shifting every position by {SHIFT} changes the logits (relative change {gap:.3g}) "
+                           f"although no position is looked up in a table: attention depends on absolute "
+                           f"positions; first at {where}",
+                           {"relative_logit_change": gap, "shift": SHIFT, "tolerance": 10 * fwd.tol})
+
+    def _attention_distribution(self) -> ProbeResult | None:
+        """One token repeated, in a model whose positions are relative (shift-invariant): every position attends
+        over identical values, so if the attention weights over the keys sum to 1 every position gives the same
+        logits, whatever the mask and the positions do to the scores."""
+        if not self.lm.takes_position_ids:
+            raise NotApplicable("the model takes no position_ids: its positions may be absolute")
+        fwd = self.plain()
+        if "attention_distribution" in self._results:
+            raise self._results["attention_distribution"]
+        if not self._quiet("position_shift") or self._absolute_positions():
+            raise NotApplicable("the model's positions are not relative: a repeated token may differ by position")
+        repeated = self._logits("repeated")[0]
+        gap = relative_gap(repeated[:1].expand_as(repeated), repeated)
+        if gap <= 10 * fwd.tol:
+            return None
+        calls, r = self._trace(fwd), self._plain_rows["repeated"]
+        last = repeated.shape[0] - 1
+        where = first_broken(calls, calls, _row(r, slice(0, 1)), _row(r, slice(last, last + 1)), fwd.tol)
+        return ProbeResult("attention_distribution", gap, where, "model",
+                           f"one token repeated gives different logits at different positions (relative change "
+                           f"{gap:.3g}) in a model whose positions are relative: the attention weights over the keys "
+                           f"do not sum to 1 (softmax over the wrong axis?); first at {where}",
+                           {"relative_logit_change": gap, "tolerance": 10 * fwd.tol})
+
+    def _cache_consistency(self) -> ProbeResult | None:
+        lm = self.lm
+        if not lm.has_generate:
+            raise NotApplicable("the model has no generate of its own")
+        ids = self.ids[:, :PROMPT_LEN]
+        prompt = ids
+        mask = None
+        if lm.takes_attention_mask:  # row 0 unpadded, row 1 left-padded: the batch generation decodes
+            short, short_mask = pad(ids[:, : PROMPT_LEN - PAD_LEN], self.pad_id, "left")
+            prompt, mask = torch.cat([ids, short]), torch.cat([torch.ones_like(ids), short_mask])
+        with glimpsed(lm.model) as seen:
+            generated = lm.generate(prompt, mask, NEW_TOKENS)
+        if generated is None:
+            raise NotApplicable("the model's generate gives no sequences of the asked length")
+        sequences, decoded = generated
+        full_mask = None if mask is None else torch.cat([mask, torch.ones_like(sequences[:, prompt.shape[1]:])], 1)
+        positions = positions_from_mask(full_mask) if full_mask is not None and lm.takes_position_ids else None
+        full = self._forward(sequences, full_mask, positions)
+        tol = min(full.tol, tolerance_of(seen["dtypes"]))
+        first = prompt.shape[1] - 1  # the prompt's last position predicts the first new token
+        gaps = [[relative_gap(full.logits[r: r + 1, first + k], decoded[r: r + 1, k]) for k in range(NEW_TOKENS)]
+                for r in range(prompt.shape[0])]
+        broken = [r for r in range(len(gaps)) if max(gaps[r]) > tol]
+        if not broken:
+            return None
+        gap = max(max(gaps[r]) for r in broken)
+        if lm.takes_cache:  # the model's forward takes the cache: decode token by token through it ourselves
+            if self._teacher_forced_agrees(sequences, full_mask, prompt.shape[1], tol):
+                subsystem = "position"
+                trend = "while token-by-token forwards through its cache agree: its decode steps feed wrong positions"
+            else:
+                subsystem = "model"
+                trend = "and so do token-by-token forwards through its cache: the cache hands back wrong keys/values"
+        elif broken == [1]:
+            subsystem = "position"
+            trend = "only on the left-padded row: the decode's positions / cache offsets count the pads"
+        else:
+            subsystem = "model"
+            trend = "on the unpadded row too: its cache hands back other keys/values than the tokens gave"
+        where = self._decode_where(prompt, mask, sequences, full, first, tol)
+        return ProbeResult("cache_consistency", gap, where, subsystem,
+                           f"the model's own generate disagrees with one forward over what it generated (relative gap "
+                           f"{gap:.3g}) {trend}; first at {where}",
+                           {"per_token_gap": dict(zip(("unpadded", "left_padded"), gaps, strict=False)),
+                            "tolerance": tol})
+
+    def _teacher_forced_agrees(self, ids: torch.Tensor, mask: torch.Tensor | None, prompt: int, tol: float) -> bool:
+        """The generated ``ids`` through ``past_key_values`` (the prompt in one call, then token by token, positions
+        left to the model) give the logits of one forward in the same convention (mask, no positions)."""
+        full = self.lm.logits(ids, mask)
+        decoded = self.lm.decode_with_cache(ids, mask, prompt)
+        return decoded is not None and relative_gap(full[:, prompt:], decoded[:, prompt:]) <= tol
+
+    def _decode_where(self, prompt, mask, sequences, full: _Forward, first: int, tol: float) -> str | None:
         """The module where the decode's last call first departs from the full forward at that position."""
-        last = self.last
-        return first_broken(self.calls_full, self.calls_decode, _rows(self.shape, lambda t: t[:, last: last + 1]),
-                            _rows((self.shape[0], 1), lambda t: t), self.tol)
+        with traced(self.lm.model) as calls_decode:
+            self.lm.generate(prompt, mask, NEW_TOKENS)
+        calls_full = self._trace(full)
+        last = first + NEW_TOKENS - 1
+        return first_broken(calls_full, calls_decode, _rows(tuple(sequences.shape), lambda t: t[:, last: last + 1]),
+                            _rows((sequences.shape[0], 1), lambda t: t), tol)
 
 
-def _teacher_forced(lm: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None, start: int) -> _Decode:
-    """``ids`` through the cache (``decode_with_cache``: the real tokens' first half in one call, then one token
-    at a time) vs one forward; ``start``: the first real position."""
-    prefill = start + (ids.shape[1] - start) // 2
-    full, decoded, calls_a, calls_b = _compare(lm, functools.partial(lm.logits, ids, mask),
-                                               functools.partial(lm.decode_with_cache, ids, mask, prefill))
-    if decoded is None:
-        raise NotApplicable("the model accepts cache arguments but hands no cache back")
-    gaps = [relative_gap(full[:, t], decoded[:, t]) for t in range(start, ids.shape[1])]
-    return _Decode(gaps, calls_a, calls_b, tuple(ids.shape), ids.shape[1] - 1, tolerance(calls_a))
+# a probe whose reference another probe's broken property invalidates says nothing: a model random in eval mode
+# makes every comparison noise; a full forward that is not causal is no reference for padding or cached decode
+GATES = {"output_contract": ("determinism",), "causality": ("determinism",), "position_shift": ("determinism",),
+         "attention_distribution": ("determinism",), "padding_invariance": ("determinism", "causality"),
+         "cache_consistency": ("determinism", "causality")}
 
 
-def _generated(lm: CausalLM, prompt: torch.Tensor, mask: torch.Tensor | None, new: int) -> _Decode | None:
-    """Greedy ``generate`` from ``prompt`` vs one forward over the generated sequence (positions from the mask
-    when the model takes them, as a left-padded decode must use). None when the model has no ``generate``."""
-    with traced(lm.model) as calls_b:
-        generated = lm.generate(prompt, mask, new)
-    if generated is None:
-        return None
-    sequences, logits = generated
-    full_mask = None if mask is None else torch.cat([mask, torch.ones_like(sequences[:, prompt.shape[1]:])], 1)
-    positions = positions_from_mask(full_mask) if full_mask is not None and lm.takes_position_ids else None
-    with traced(lm.model) as calls_a:
-        full = lm.logits(sequences, full_mask, positions)
-    first = prompt.shape[1] - 1  # the prompt's last position predicts the first new token
-    gaps = [relative_gap(full[:, first + k], logits[:, k]) for k in range(new)]
-    return _Decode(gaps, calls_a, calls_b, tuple(sequences.shape), first + new - 1, tolerance(calls_a))
+# the single-probe API (one round per call): what tests and a user's own checks call
+def _single(probe: str):
+    def run(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+            ) -> ProbeResult | None:
+        return ProbeRound(lm, input_ids, attention_mask, **kwargs).result(probe)
+
+    run.__name__ = run.__qualname__ = probe
+    run.__doc__ = f"One round's ``{probe}`` result on ``input_ids`` (see ``ProbeRound``)."
+    return run
 
 
-def cache_consistency(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      new_tokens: int = 4) -> ProbeResult | None:
-    """Decoding through the model's own cache must give the full forward's logits: token by token through
-    ``forward`` (teacher-forced), then through the model's own ``generate`` (its decode positions), each unpadded
-    and (when the model takes a mask) left-padded, where cached keys must stay aligned with the mask.
-    A teacher-forced gap that grows with the cache length points at positions, a flat one at the model; a gap
-    only ``generate`` shows points at the positions / cache offsets its decode loop feeds the forward."""
-    if not lm.takes_cache:
-        raise NotApplicable("the model takes no KV cache")
-    ids = real_block(input_ids, attention_mask)[:, :DECODE_LEN]
-    pad_id, prompt = int(ids[0, 0]), ids[:, : ids.shape[1] // 2]
-    variants = [("forward", functools.partial(_teacher_forced, lm, ids, None, 0)),
-                ("generate", functools.partial(_generated, lm, prompt, None, new_tokens))]
-    if lm.takes_attention_mask:
-        variants.insert(1, ("forward_left_padded",
-                            functools.partial(_teacher_forced, lm, *pad(ids, pad_id, "left"), PAD_LEN)))
-        variants.append(("generate_left_padded",
-                         functools.partial(_generated, lm, *pad(prompt, pad_id, "left"), new_tokens)))
-    measured = {}
-    for name, run in variants:
-        decode = run()
-        if decode is None:
-            continue
-        measured[name] = decode.gaps
-        if max(decode.gaps) > decode.tol:
-            break
-    else:
-        return None
-    gap, where = max(decode.gaps), decode.where()
-    if name.startswith("generate"):
-        subsystem = "position"
-        trend = "while token-by-token forwards through the cache agree: its decode steps feed wrong positions"
-    else:
-        grows = _grows(decode.gaps, decode.tol)
-        subsystem = "position" if grows else "model"
-        trend = "growing with the cache length" if grows else "not growing with the cache length"
-    return ProbeResult("cache_consistency", gap, where, subsystem,
-                       f"cached decode ({name}) disagrees with the full forward (relative gap {gap:.3g}), {trend}; "
-                       f"first at {where}", {"per_position_gap": measured, "tolerance": decode.tol})
-
-
-def _grows(per_position: list[float], tol: float) -> bool:
-    """The gap rises along the sequence: the later half's mean is over twice the earlier half's (past the
-    first broken position), as when an offset error accumulates with every cached token."""
-    broken = [i for i, g in enumerate(per_position) if g > tol]
-    tail = per_position[broken[0]:]
-    if len(tail) < 4:
-        return False
-    half = len(tail) // 2
-    early, late = sum(tail[:half]) / half, sum(tail[half:]) / (len(tail) - half)
-    return late > 2 * early
-
-
-def position_shift(lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   shift: int = SHIFT) -> ProbeResult | None:
-    """All positions + ``shift``: a model with relative (rotary) positions gives the same logits. A model whose
-    position ids index a learned table (an embedding lookup of the position tensor) is not applicable."""
-    if not lm.takes_position_ids:
-        raise NotApplicable("the model takes no position_ids")
-    ids = real_block(input_ids, attention_mask)
-    base = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    moved = base + shift
-    try:
-        a, b, calls_a, calls_b = _compare(lm, lambda: lm.logits(ids, position_ids=base),
-                                          lambda: lm.logits(ids, position_ids=moved))
-    except IndexError as exc:  # a learned table shorter than the shifted positions
-        raise NotApplicable(f"shifted positions fall outside the model's position table ({exc})") from exc
-    looked_up = [c.inputs for c in calls_b if isinstance(lm.model.get_submodule(c.name), torch.nn.Embedding)]
-    if any(t.shape[-1] == moved.shape[-1] and torch.equal(t.reshape(-1, t.shape[-1])[0], moved[0])
-           for inputs in looked_up for t in inputs):
-        raise NotApplicable("the model looks its position ids up in a learned table (absolute positions)")
-    gap, tol = relative_gap(a, b), tolerance(calls_a)
-    if gap <= 10 * tol:  # rotary tables are recomputed at other angles: rounding grows a little
-        return None
-    region = _rows(tuple(ids.shape), lambda t: t)
-    where = first_broken(calls_a, calls_b, region, region, tol)  # the gap is real: find where it is born
-    return ProbeResult("position_shift", gap, where, "position",
-                       f"shifting every position by {shift} changes the logits (relative change {gap:.3g}) although "
-                       f"no position is looked up in a table: attention depends on absolute positions; "
-                       f"first at {where}",
-                       {"relative_logit_change": gap, "shift": shift, "tolerance": 10 * tol})
+PROBES = ("determinism", "output_contract", "causality", "padding_invariance", "position_shift",
+          "attention_distribution", "cache_consistency")
+determinism, output_contract, causality, padding_invariance, position_shift, attention_distribution, \
+    cache_consistency = (_single(p) for p in PROBES)
 
 
 # ---- label alignment: the loop's loss vs next-token NLL from the same logits ----
@@ -470,47 +637,83 @@ def label_alignment(batch: dict, logits: torch.Tensor, loss: torch.Tensor | floa
 
 # ---- the probe detectors of the black-box track ----
 
+_ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ctx -> (step, ProbeRound): one round per run
+
+
+def round_result(ctx, probe: str) -> ProbeResult | None:
+    """``probe``'s result in the run's probe round, built on the loop's latest batch at the first call (raises
+    ShortBatch when that batch is too short: a later one may do) and shared by every probe detector."""
+    entry = _ROUNDS.get(ctx)
+    if entry is None or entry[0] != ctx.step:
+        batch = ctx.last_batch
+        if not batch or "input_ids" not in batch:
+            raise ShortBatch("no training batch seen yet")
+        try:
+            lm = ctx.lm
+        except ValueError as exc:  # no per-position logits to probe
+            raise NotApplicable(str(exc)) from exc
+        pad_id = getattr(ctx.tokenizer, "pad_token_id", None)
+        entry = (ctx.step, ProbeRound(lm, batch["input_ids"], batch.get("attention_mask"), pad_id,
+                                      batch.get("position_ids")))
+        _ROUNDS[ctx] = entry
+    with ctx.probe():
+        return entry[1].result(probe)
+
+
 class _ActiveProbe(BlackBoxDetector):
-    """Runs ``PROBE`` on the loop's latest batch after the first optimizer step and, if silent then, again at
-    the end (a trained model leans on context more: a faint leak at init shows then), inside ``ctx.probe()``."""
+    """Runs its probe of the shared round once, before the loop's first optimizer step (findings carry step 0),
+    on the batch that step trains on; if that batch is too short, before a later step, or at the end."""
 
     passive = False
-    PROBE: Callable[..., ProbeResult | None]
+    PROBE: str
     CONFIDENCE = 0.7
 
-    def on_after_step(self, ctx, record) -> None:
-        if record.step == 1:
-            with contextlib.suppress(ShortBatch):  # the end's batch may be longer
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = False
+
+    def on_before_step(self, ctx) -> None:
+        if not self.done:
+            with contextlib.suppress(ShortBatch):  # a later batch may be longer
                 self._run(ctx)
 
     def on_end(self, ctx) -> None:
-        if not self.findings:
-            self._run(ctx)
+        if not self.done:  # the loop never stepped (or only on short batches)
+            with contextlib.suppress(ShortBatch):
+                self._run(ctx)
 
     def _run(self, ctx) -> None:
-        batch = ctx.last_batch
-        if not batch or "input_ids" not in batch:
-            return
-        try:
-            ctx.lm  # noqa: B018 - the model seen as a causal LM, built on first use
-        except ValueError as exc:  # no per-position logits to probe
-            raise NotApplicable(str(exc)) from exc
-        with ctx.probe():
-            result = self.probe(ctx, batch)
+        result = round_result(ctx, self.PROBE)
+        self.done = True
         if result is not None:
             self.report(ctx, result.subsystem, result.where, result.message,
                         {"gap": result.gap, **result.evidence}, confidence=self.CONFIDENCE)
 
-    def probe(self, ctx, batch: dict) -> ProbeResult | None:
-        return type(self).PROBE(ctx.lm, batch["input_ids"], batch.get("attention_mask"))
+
+@register
+class BlackBoxDeterminism(_ActiveProbe):
+    id = "bb_eval_determinism"
+    family = "model"
+    description = "the loop's row twice in one eval-mode forward: identical logits (nothing random outside training)"
+    PROBE = "determinism"
+    CONFIDENCE = 0.85
+
+
+@register
+class BlackBoxOutputContract(_ActiveProbe):
+    id = "bb_output_contract"
+    family = "model"
+    description = "the model's outputs are logits: not probabilities, and no loss many times ln V before training"
+    PROBE = "output_contract"
+    CONFIDENCE = 0.8
 
 
 @register
 class BlackBoxCausality(_ActiveProbe):
     id = "bb_causality"
     family = "mask"
-    description = "tokens after t changed in a copy of the loop's batch: logits before t must not move"
-    PROBE = staticmethod(causality)
+    description = "tokens after t changed in a copy of the loop's row: logits before t must not move"
+    PROBE = "causality"
     CONFIDENCE = 0.85
 
 
@@ -518,21 +721,17 @@ class BlackBoxCausality(_ActiveProbe):
 class BlackBoxPadding(_ActiveProbe):
     id = "bb_padding_invariance"
     family = "mask"
-    description = "each row of the loop's batch alone vs left-/right-padded with a mask: real-token logits match"
+    description = "the loop's row alone vs left-/right-padded with a mask: real-token logits match"
+    PROBE = "padding_invariance"
     CONFIDENCE = 0.75
-
-    def probe(self, ctx, batch: dict) -> ProbeResult | None:
-        pad_id = getattr(ctx.tokenizer, "pad_token_id", None)
-        return padding_invariance(ctx.lm, batch["input_ids"], batch.get("attention_mask"), pad_id,
-                                  batch.get("position_ids"))
 
 
 @register
 class BlackBoxCache(_ActiveProbe):
     id = "bb_cache_consistency"
     family = "position"
-    description = "decode through the model's own KV cache vs a full forward on the loop's batch"
-    PROBE = staticmethod(cache_consistency)
+    description = "the model's own generate (its KV cache, its decode positions) vs one forward over what it generated"
+    PROBE = "cache_consistency"
 
 
 @register
@@ -540,7 +739,16 @@ class BlackBoxPositionShift(_ActiveProbe):
     id = "bb_position_shift"
     family = "position"
     description = "every position id + 3: a model with relative (rotary) positions gives the same logits"
-    PROBE = staticmethod(position_shift)
+    PROBE = "position_shift"
+
+
+@register
+class BlackBoxAttentionDistribution(_ActiveProbe):
+    id = "bb_attention_distribution"
+    family = "model"
+    description = "one token repeated, relative positions: every position gives the same logits (weights sum to 1)"
+    PROBE = "attention_distribution"
+    CONFIDENCE = 0.9
 
 
 @register
