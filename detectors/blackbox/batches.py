@@ -22,21 +22,31 @@ def _weights(table: torch.Tensor, n: int) -> torch.Tensor:
     return (table.repeat(reps)[:n] * torch.arange(1, n + 1, dtype=torch.int64)) | 1
 
 
-def row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """(B,) int64 hash of each row's real tokens, counted from its first real token (padding side and length do
-    not matter). ``ids``: (B, T) or (T,) integer tensor; ``mask``: attention mask of the same shape or None."""
+def _rows(ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(ids as (B, T), the keep mask or None when every position is real, whether every row starts at 0)."""
     ids = ids.detach()
     if ids.dim() == 1:
         ids = ids[None]
+    if mask is None or mask.shape != ids.shape:
+        return ids, None, True
+    keep = mask.detach() != 0
+    return ids, keep, bool(keep[:, 0].all())
+
+
+def row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B,) int64 hash of each row's real tokens, counted from its first real token (padding side and length do
+    not matter). ``ids``: (B, T) or (T,) integer tensor; ``mask``: attention mask of the same shape or None."""
+    ids, keep, aligned = _rows(ids, mask)
     ids = ids.to("cpu", torch.int64)
-    if mask is not None and mask.shape == ids.shape:
-        keep = mask.detach().to("cpu") != 0
-        pos = (keep.cumsum(-1) - 1).clamp_min(0)
+    t = ids.shape[-1]
+    if keep is None:
+        return ((ids + 7) * _weights(_WEIGHTS, t)).sum(-1) ^ t
+    keep = keep.to("cpu")
+    if aligned:  # no left padding: positions are the columns
+        weighted = (ids + 7) * _weights(_WEIGHTS, t)
     else:
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        pos = torch.arange(ids.shape[-1]).expand_as(ids)
-    w = _weights(_WEIGHTS, ids.shape[-1])[pos]
-    return torch.where(keep, (ids + 7) * w, 0).sum(-1) ^ keep.sum(-1)
+        weighted = (ids + 7) * _weights(_WEIGHTS, t)[(keep.cumsum(-1) - 1).clamp_min(0)]
+    return (weighted * keep).sum(-1) ^ keep.sum(-1)
 
 
 def batch_hash(rows: torch.Tensor) -> int:
@@ -59,29 +69,25 @@ def special_ids(tokenizer) -> dict[str, int]:
 def layout(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]) -> dict[str, int]:
     """Counts over a batch's rows: "rows", "bos" (first real token is BOS), "bos2" (first two are BOS), "eos" (last
     real token is EOS), "has_eos" (EOS anywhere among the real tokens), "len" (the padded length)."""
-    ids = ids.detach()
-    if ids.dim() == 1:
-        ids = ids[None]
+    ids, keep, aligned = _rows(ids, mask)
     b, t = ids.shape
     out = {"rows": b, "len": t}
     if not special or t < 2:
         return out
-    if mask is not None and mask.shape == ids.shape:
-        keep = mask.detach() != 0
-        first = keep.int().argmax(-1)
-        last = t - 1 - keep.int().flip(-1).argmax(-1)
+    if keep is None:
+        firsts, seconds, lasts = ids[:, 0], ids[:, 1], ids[:, -1]
     else:
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        first = torch.zeros(b, dtype=torch.long, device=ids.device)
-        last = torch.full((b,), t - 1, dtype=torch.long, device=ids.device)
-    rows = torch.arange(b, device=ids.device)
+        lengths = keep.sum(-1)
+        first = torch.zeros_like(lengths) if aligned else keep.int().argmax(-1)
+        last = (first + lengths - 1).clamp_min(0) if aligned else t - 1 - keep.int().flip(-1).argmax(-1)
+        picked = ids.gather(1, torch.stack([first, (first + 1).clamp_max(t - 1), last], 1))
+        firsts, seconds, lasts = picked.unbind(1)
     if "bos" in special:
-        at_first = ids[rows, first] == special["bos"]
-        second = ids[rows, (first + 1).clamp_max(t - 1)] == special["bos"]
+        at_first = firsts == special["bos"]
         out["bos"] = int(at_first.sum())
-        out["bos2"] = int((at_first & second).sum())
+        out["bos2"] = int((at_first & (seconds == special["bos"])).sum())
     if "eos" in special:
-        is_eos = (ids == special["eos"]) & keep
-        out["eos"] = int(is_eos[rows, last].sum())
-        out["has_eos"] = int(is_eos.any(-1).sum())
+        out["eos"] = int((lasts == special["eos"]).sum())
+        is_eos = ids == special["eos"]
+        out["has_eos"] = int((is_eos if keep is None else is_eos & keep).any(-1).sum())
     return out
