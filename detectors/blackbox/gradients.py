@@ -404,7 +404,8 @@ class LossNormalization(_GradientDetector):
     TOL = 0.03  # relative, one process
     DDP_BAND = (0.75, 1.33)  # median per-rank sum with ranks
     UNIFORM_TOL = 0.05  # relative spread of one micro-batch's weights to call them uniform
-    CHECK_STEPS = 3  # steps checked at most (a loop's normalization does not change)
+    CHECK_STEPS = 2  # steps checked at most, one process (a loop's normalization does not change)
+    CHECK_STEPS_RANKS = 3  # with ranks: the median of these
 
     def __init__(self) -> None:
         super().__init__()
@@ -413,8 +414,11 @@ class LossNormalization(_GradientDetector):
         self.sums: list[dict] = []
         self.uneven: list[dict] = []
 
+    def _done(self, ctx: WatchContext) -> bool:
+        return len(self.sums) >= (self.CHECK_STEPS_RANKS if ctx.world_size > 1 else self.CHECK_STEPS)
+
     def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
-        if len(self.sums) >= self.CHECK_STEPS:
+        if self._done(ctx):
             return
         result = self.implied_of(logits, grad_logits)
         tokens = None if result is None else _tokens(batch, result)
@@ -434,7 +438,7 @@ class LossNormalization(_GradientDetector):
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
         micro, self._micro = self._micro, []
         skipped, self._skips_seen = ctx.skipped_steps != self._skips_seen, ctx.skipped_steps
-        if len(self.sums) >= self.CHECK_STEPS or not micro or skipped or record.skipped:
+        if self._done(ctx) or not micro or skipped or record.skipped:
             return
         if any(m.get("unknown") for m in micro) or sum(m["targets"] for m in micro) < MIN_POSITIONS:
             return
@@ -450,7 +454,7 @@ class LossNormalization(_GradientDetector):
     def _judge(self, ctx: WatchContext, point: dict) -> None:
         total = point["weight_sum"]
         if ctx.world_size > 1:
-            if len(self.sums) < 3:
+            if len(self.sums) < self.CHECK_STEPS_RANKS:
                 return
             total = statistics.median(p["weight_sum"] for p in self.sums)
             off = not (self.DDP_BAND[0] <= total <= self.DDP_BAND[1])
