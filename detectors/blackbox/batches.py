@@ -91,3 +91,9 @@ def layout(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]
         is_eos = ids == special["eos"]
         out["has_eos"] = int((is_eos if keep is None else is_eos & keep).any(-1).sum())
     return out
+
+
+def rng_fingerprint() -> int:
+    """A hash of torch's global CPU generator state (what dropout and random sampling draw from)."""
+    state = torch.get_rng_state().to(torch.int64)
+    return int((state * _weights(_WEIGHTS, state.numel())).sum())

@@ -69,29 +69,31 @@ class GoldenLR(BlackBoxDetector):
     def on_start(self, ctx: WatchContext) -> None:
         if not any(s.get("lrs") for s in _golden_steps(ctx)):
             raise NotApplicable("no golden envelope with the LR per step was given (faultbench.record_golden)")
+        # a resume is to blame only for a schedule that was right before it
+        prev = ctx.previous.history if ctx.previous is not None else []
+        self._before_ok = not any(self._outside(ctx, r) for r in prev[-2:])
+
+    def _outside(self, ctx: WatchContext, record: StepRecord) -> dict | None:
+        steps, index = _golden_steps(ctx), record.step - 1
+        if index >= len(steps) + _window(ctx):
+            return None
+        for g, used in enumerate(record.lrs or []):
+            span = _span(steps, index, _window(ctx), "lrs", g)
+            if span is not None and not (span[0] * (1 - self.REL) - 1e-12 <= used <= span[1] * (1 + self.REL) + 1e-12):
+                return {"step": record.step, "group": g, "lr": used, "golden": list(span)}
+        return None
 
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
         if self.findings or not record.lrs:
             return
-        steps, index = _golden_steps(ctx), record.step - 1
-        if index >= len(steps) + _window(ctx):
-            return
-        point = None
-        for g, used in enumerate(record.lrs):
-            span = _span(steps, index, _window(ctx), "lrs", g)
-            if span is None:
-                continue
-            lo, hi = span
-            if not (lo * (1 - self.REL) - 1e-12 <= used <= hi * (1 + self.REL) + 1e-12):
-                point = {"step": record.step, "group": g, "lr": used, "golden": [lo, hi]}
-                break
+        point = self._outside(ctx, record)
         if point is None:
             self._out = []
             return
         self._out.append(point)
         first = self._out[0]
         where = "scheduler" if ctx.scheduler is not None else "optimizer"
-        if _resumed(ctx) and record.step <= ctx.start_step + self.RESUME_STEPS:
+        if _resumed(ctx) and self._before_ok and first["step"] <= ctx.start_step + self.RESUME_STEPS:
             self.report(ctx, "checkpoint", where,
                         f"right after the resume at step {ctx.start_step}, step {first['step']} used lr "
                         f"{first['lr']:.3g} where the known-good runs used {first['golden'][0]:.3g}.."
@@ -505,3 +507,34 @@ class CrashSite(BlackBoxDetector):
                             f"({path.rsplit('/', 1)[-1]}): the {where} was used out of its contract",
                             {"frame": path}, confidence=0.5)
                 return
+
+
+@register
+class RNGContinuity(BlackBoxDetector):
+    """A resumed loop draws from the global RNG where the run stopped: torch's generator state before the resumed
+    segment's first training forward equals its state after the previous segment's last optimizer step (a loop
+    that restores its RNG with its checkpoint). Dropout masks and random sampling otherwise differ from the
+    uninterrupted run."""
+
+    id = "bb_rng_continuity"
+    family = "checkpoint"
+    description = "resumed loop: torch's RNG state continues from where the previous segment stopped"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._checked = False
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if not _resumed(ctx) or ctx.previous is None or ctx.previous.rng_at_step is None:
+            raise NotApplicable("no watched segment before a resume (watch(..., step=N, previous=...))")
+
+    def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
+        if self._checked or ctx.rng_at_start is None:
+            return
+        self._checked = True
+        if ctx.rng_at_start != ctx.previous.rng_at_step:
+            self.report(ctx, "checkpoint", "checkpoint",
+                        f"the resumed run (step {ctx.start_step}) draws from a torch RNG state other than the one the "
+                        "run stopped with: the generator's state was not restored with the checkpoint, so dropout "
+                        "masks and random draws differ from the uninterrupted run", {"resumed_at": ctx.start_step},
+                        confidence=0.6)

@@ -124,7 +124,7 @@ def test_a_non_finite_forward_is_localized_to_its_first_module_and_explains_the_
 # trained in segments: each segment is a fresh model/optimizer/scheduler loaded from the previous one's state dicts,
 # under a watch told the step it resumes at and handed the previous segment's watch.
 MONITORS = ["bb_golden_lr", "bb_golden_grad_norm", "bb_golden_config", "bb_resume_continuity", "bb_batch_replay",
-            "bb_golden_layout", "bb_crash_site"]
+            "bb_golden_layout", "bb_crash_site", "bb_rng_continuity"]
 STEPS, RESUME = 12, 6
 
 
@@ -194,9 +194,13 @@ def _resumed(seed: int, bug: str | None = None):
     state = _state((first.ctx.model, first.ctx.optimizer, first.ctx.scheduler))
     load = {"optimizer_lost": ("model", "scheduler"), "scheduler_lost": ("model", "optimizer")}.get(
         bug, ("model", "optimizer", "scheduler"))
+    state["rng"] = torch.get_rng_state()
     data = batches[:RESUME] * 2 if bug == "data_replayed" else batches  # the data order restarts from its start
     start = RESUME + 1 if bug == "step_ahead" else RESUME  # the restored step counter is one ahead
-    second = _segment(_parts(seed + 50, state, load), data, start, STEPS, golden=golden, previous=first)
+    parts = _parts(seed + 50, state, load)  # a fresh process: its own seed, then the checkpoint
+    if bug != "rng_lost":
+        torch.set_rng_state(state["rng"])
+    second = _segment(parts, data, start, STEPS, golden=golden, previous=first)
     return first, second
 
 
@@ -217,7 +221,7 @@ def test_a_correct_resume_with_its_golden_yields_no_finding(seed):
     assert second.ctx.start_step == RESUME and [r.step for r in second.ctx.history] == list(range(7, STEPS + 1))
     assert second.ctx.history[0].opt_count == RESUME + 1  # the optimizer's own counter continued
     assert first.findings == [] and second.findings == [], _messages(second)
-    assert not {"bb_golden_lr", "bb_resume_continuity", "bb_batch_replay", "bb_golden_layout"} & \
+    assert not {"bb_golden_lr", "bb_resume_continuity", "bb_batch_replay", "bb_golden_layout", "bb_rng_continuity"} & \
         set(second.not_applicable), second.not_applicable
 
 
@@ -227,6 +231,7 @@ RESUME_BUGS = {
     "scheduler_lost": ("bb_golden_lr", "checkpoint", "scheduler"),
     "data_replayed": ("bb_batch_replay", "checkpoint", "data loader"),
     "step_ahead": ("bb_resume_continuity", "checkpoint", "checkpoint"),
+    "rng_lost": ("bb_rng_continuity", "checkpoint", "checkpoint"),  # dropout draws from another generator state
 }
 
 
