@@ -65,23 +65,38 @@ class CausalLM:
     takes_cache: bool = False
     by_name: bool = False
     pass_targets: bool = False
+    unpadded_error: Exception | None = field(default=None, repr=False)  # the trial call raised unpadded, not padded
 
     @classmethod
     def wrap(cls, model: torch.nn.Module) -> CausalLM:
         """Learn ``model``'s call convention from its signature and one trial call on a 1x2 batch of ids 0, 1.
-        Raises ValueError (one line) when no call gives per-position logits."""
+        Raises ValueError (one line) when no call gives per-position logits. A model that raises on that call but
+        runs on a left-padded batch with a mask is wrapped, its error kept in ``unpadded_error`` (a probe's finding).
+        """
         names = _accepted(model)
         lm = cls(model, takes_attention_mask="attention_mask" in names, takes_position_ids="position_ids" in names,
                  takes_cache={"past_key_values", "use_cache"} <= names, by_name="input_ids" in names)
         ids = torch.tensor([[0, 1]], device=lm.device)
         with quiet(model):
-            logits = _first_logits(lm._call(ids), 1, 2)
+            try:
+                out = lm._call(ids)
+            except Exception as exc:  # noqa: BLE001 - a model broken on the plainest call: try it padded
+                if not lm.takes_attention_mask:
+                    raise
+                ids, mask = torch.tensor([[0, 1, 1], [0, 0, 1]], device=lm.device), torch.tensor([[1, 1, 1], [0, 1, 1]])
+                lm.check_logits(_first_logits(lm._call(ids, attention_mask=mask.to(lm.device)), 2, 3), 3)
+                lm.unpadded_error = exc
+                return lm
+            logits = _first_logits(out, 1, 2)
             if logits is not None and logits.shape[1] != 2 and "targets" in names:
                 lm.pass_targets = True
                 logits = _first_logits(lm._call(ids), 1, 2)
-        if logits is None or logits.shape[1] != 2:
-            raise ValueError(f"{type(model).__name__} gives no (batch, time, vocab) logits for a (1, 2) batch of ids")
+        lm.check_logits(logits, 2)
         return lm
+
+    def check_logits(self, logits: torch.Tensor | None, length: int) -> None:
+        if logits is None or logits.shape[1] != length:
+            raise ValueError(f"{type(self.model).__name__} gives no (batch, time, vocab) logits for a batch of ids")
 
     @property
     def device(self) -> torch.device:

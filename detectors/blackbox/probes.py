@@ -36,6 +36,7 @@ PAD_LEN = 3  # pads added on each side in the padding probe
 SHIFT = 3  # positions added in the position-shift probe
 PROMPT_LEN, NEW_TOKENS = 8, 2  # the cache probe's prompt (real tokens) and the tokens generate decodes
 SCALE_FACTOR = 2.0  # a next-token loss over this many times ln V before training: logits far too large
+COARSE = 1e-3  # a round's tolerance above this: its forwards ran in bf16 / fp16
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,17 @@ def glimpsed(model: torch.nn.Module):
             h.remove()
 
 
+def raised_in(exc: BaseException, model: torch.nn.Module) -> str | None:
+    """The path of the innermost submodule of ``model`` whose method is on ``exc``'s traceback."""
+    names, where, tb = {id(m): name for name, m in model.named_modules()}, None, exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and names.get(id(owner)):
+            where = names[id(owner)]
+        tb = tb.tb_next
+    return where
+
+
 def tolerance_of(dtypes: set) -> float:
     """Relative logit change allowed by rounding in the least precise float dtype a forward computed in
     (bf16 under an autocast that wraps the model's forward). fp32: 1e-4, bf16: 0.03."""
@@ -267,10 +279,13 @@ class ProbeRound:
         self.ids = real_block(input_ids, attention_mask, rows=1, length=length)
         self.pad_id = int(self.ids[0, 0]) if pad_id is None else int(pad_id)
         self.cut = self.ids.shape[1] // 2
+        self.changed = self.ids.clone()  # tokens from ``cut`` on replaced: the causality probe's variant
+        self.changed[:, self.cut:] = other_tokens(self.ids[:, self.cut:], self.ids)
         self._results: dict[str, ProbeResult | None | NotApplicable] = {}
         self._plain: _Forward | None = None
         self._plain_rows: dict[str, int] = {}
         self._padded: _Forward | None = None
+        self._unmasked_error: tuple[Exception, str | None] | None = None
 
     # -- forwards
     def _forward(self, ids, mask=None, positions=None) -> _Forward:
@@ -286,9 +301,7 @@ class ProbeRound:
     def plain(self) -> _Forward:
         if self._plain is None:
             ids, lm = self.ids, self.lm
-            changed = ids.clone()
-            changed[:, self.cut:] = other_tokens(ids[:, self.cut:], ids)
-            rows = {"base": ids, "again": ids, "changed": changed}
+            rows = {"base": ids, "again": ids, "changed": self.changed}
             if lm.takes_position_ids:
                 rows |= {"shifted": ids, "repeated": ids[:, :1].expand_as(ids)}
             self._plain_rows = {name: i for i, name in enumerate(rows)}
@@ -297,8 +310,14 @@ class ProbeRound:
             if lm.takes_position_ids:
                 positions = torch.arange(ids.shape[1], device=ids.device).expand_as(batch).clone()
                 positions[self._plain_rows["shifted"]] += SHIFT
+            if self._unmasked_error is None and self.lm.unpadded_error is not None:
+                self._unmasked_error = (self.lm.unpadded_error, raised_in(self.lm.unpadded_error, self.lm.model))
+            if self._unmasked_error is not None:
+                raise NotApplicable(f"the model raises on an unpadded batch ({self._unmasked_error[0]})")
             try:
                 self._plain = self._forward(batch, None, positions)
+            except (NotApplicable, ShortBatch):
+                raise
             except IndexError as exc:  # a learned table shorter than the shifted positions: probe without them
                 if positions is None:
                     raise
@@ -309,11 +328,14 @@ class ProbeRound:
                 self._plain_rows = {name: i for i, name in enumerate(rows)}
                 batch = torch.cat(list(rows.values()))
                 self._plain = self._forward(batch, None, positions[: len(rows)] if positions is not None else None)
+            except Exception as exc:  # noqa: BLE001 - the model fails on the plainest call: causality says so
+                self._unmasked_error = (exc, raised_in(exc, self.lm.model))
+                raise NotApplicable(f"the model raises on an unpadded batch ({exc})") from exc
         return self._plain
 
     def padded(self) -> _Forward:
         if self._padded is None:
-            left, mask_left = pad(torch.cat([self.ids, self.plain_row("changed")]), self.pad_id, "left")
+            left, mask_left = pad(torch.cat([self.ids, self.changed]), self.pad_id, "left")
             right, mask_right = pad(self.ids, self.pad_id, "right")
             self._padded = self._forward(torch.cat([left, right]), torch.cat([mask_left, mask_right]))
         return self._padded
@@ -321,6 +343,11 @@ class ProbeRound:
     def plain_row(self, name: str) -> torch.Tensor:
         fwd = self.plain()
         return fwd.ids[self._plain_rows[name]: self._plain_rows[name] + 1]
+
+    @property
+    def tol(self) -> float:
+        """The plain forward's tolerance (its coarsest dtype); fp32's when it did not run."""
+        return self._plain.tol if self._plain is not None else tolerance_of(set())
 
     def _logits(self, name: str) -> torch.Tensor:
         i = self._plain_rows[name]
@@ -383,7 +410,18 @@ class ProbeRound:
         return None
 
     def _causality(self) -> ProbeResult | None:
-        cut, fwd = self.cut, self.plain()
+        try:
+            cut, fwd = self.cut, self.plain()
+        except NotApplicable:
+            if self._unmasked_error is None or not self.lm.takes_attention_mask:
+                raise
+            self.padded()  # the masked path runs (or its error is the probe's)
+            exc, where = self._unmasked_error
+            error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            return ProbeResult("causality", 1.0, where, "mask",
+                               f"the model raises {error} on an unpadded batch, where no mask is "
+                               f"needed, and runs on a padded one: its plain causal (no-padding) path is broken; "
+                               f"in {where}", {"error": error})
         gaps, tol = {}, fwd.tol
         gaps["unpadded"] = relative_gap(self._logits("base")[:, :cut], self._logits("changed")[:, :cut])
         padded = None
@@ -662,15 +700,18 @@ def round_result(ctx, probe: str) -> ProbeResult | None:
 
 class _ActiveProbe(BlackBoxDetector):
     """Runs its probe of the shared round once, before the loop's first optimizer step (findings carry step 0),
-    on the batch that step trains on; if that batch is too short, before a later step, or at the end."""
+    on the batch that step trains on; if that batch is too short, before a later step, or at the end. A ``RECHECK``
+    probe silent in a round whose forwards ran in a coarse dtype (bf16, fp16) runs again at the end: an untrained
+    model's faint position or context dependence stays under that rounding, a trained one's does not."""
 
     passive = False
     PROBE: str
     CONFIDENCE = 0.7
+    RECHECK = False  # a faint dependence an untrained model hides under bf16 rounding: checked again at the end
 
     def __init__(self) -> None:
         super().__init__()
-        self.done = False
+        self.done = self.coarse = False
 
     def on_before_step(self, ctx) -> None:
         if not self.done:
@@ -678,13 +719,14 @@ class _ActiveProbe(BlackBoxDetector):
                 self._run(ctx)
 
     def on_end(self, ctx) -> None:
-        if not self.done:  # the loop never stepped (or only on short batches)
+        if not self.done or (self.RECHECK and self.coarse and not self.findings):
             with contextlib.suppress(ShortBatch):
                 self._run(ctx)
 
     def _run(self, ctx) -> None:
         result = round_result(ctx, self.PROBE)
         self.done = True
+        self.coarse = _ROUNDS[ctx][1].tol > COARSE
         if result is not None:
             self.report(ctx, result.subsystem, result.where, result.message,
                         {"gap": result.gap, **result.evidence}, confidence=self.CONFIDENCE)
@@ -714,6 +756,7 @@ class BlackBoxCausality(_ActiveProbe):
     family = "mask"
     description = "tokens after t changed in a copy of the loop's row: logits before t must not move"
     PROBE = "causality"
+    RECHECK = True
     CONFIDENCE = 0.85
 
 
@@ -740,6 +783,7 @@ class BlackBoxPositionShift(_ActiveProbe):
     family = "position"
     description = "every position id + 3: a model with relative (rotary) positions gives the same logits"
     PROBE = "position_shift"
+    RECHECK = True
 
 
 @register
@@ -748,6 +792,7 @@ class BlackBoxAttentionDistribution(_ActiveProbe):
     family = "model"
     description = "one token repeated, relative positions: every position gives the same logits (weights sum to 1)"
     PROBE = "attention_distribution"
+    RECHECK = True
     CONFIDENCE = 0.9
 
 

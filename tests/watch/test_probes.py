@@ -315,3 +315,13 @@ def test_probe_detectors_are_silent_on_clean_hf_trainer_runs(hf_trainer_run, rec
 ])
 def test_probe_detectors_find_hf_faults_through_the_trainer_callback(hf_trainer_run, fault, expected):
     assert expected in hf_trainer_run(fault)
+
+
+def test_a_model_that_raises_without_its_optional_mask_is_a_mask_finding_in_the_raising_module():
+    """The reference's hand-written attention reading the additive mask as keep/drop: on an unpadded batch (no
+    mask needed: None) it raises; on a padded batch it runs (NaN aside). Said by causality, naming the attention."""
+    with injected("mask_keep_convention_in_attention"):
+        results = run_probes(ref_gpt(0), ids(64, (4, 16)))
+    assert broken(results)["causality"] == ("mask", "blocks.0.attn")
+    assert "runs on a padded one" in results["causality"].message
+    assert {k for k, v in results.items() if v == "n/a"} >= {"determinism", "position_shift"}  # nothing else to say
