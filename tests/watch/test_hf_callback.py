@@ -67,3 +67,54 @@ def test_the_callback_names_the_faults_subsystem_first(fault, tmp):
     top = watch.findings[0]
     assert (top.subsystem, top.where) == (get_fault(fault).subsystem, where), [
         f"{f.detector} [{f.subsystem}] {f.where}: {f.message}" for f in watch.findings]
+
+
+# ---- a resumed Trainer: the callback watches it from state.global_step, handed the first segment's watch ----------
+RESUMED = {
+    None: None,
+    "hf_resume_optimizer_not_restored": ("bb_resume_continuity", "optimizer"),
+    "hf_resume_scheduler_not_restored": ("bb_golden_lr", "scheduler"),
+    "hf_resume_rng_not_restored": ("bb_rng_continuity", "checkpoint"),
+}
+
+
+@functools.cache
+def resumed(fault: str | None, tmp: str, seed: int = 0):
+    """(first watch, resumed watch) of the resume recipe: train to resume_at with a checkpoint, then a fresh Trainer
+    resumed from it, each with a FaultbenchCallback; the golden is two clean runs of the recipe on other seeds."""
+    from faultbench.watch import record_golden
+    from targets.hf.hooks import checkpoint_dir, train
+
+    recipe = RECIPES["resume"]
+
+    def segments(seed, golden, folder):
+        run = build_run(recipe, seed, folder)
+        first = FaultbenchCallback(report=False, golden=golden)
+        run.trainer.add_callback(first)
+        train(run, stop_at=recipe.resume_at)
+        again = build_run(recipe, seed, folder)
+        second = FaultbenchCallback(previous=first.watch, report=False, golden=golden)
+        again.trainer.add_callback(second)
+        train(again, resume=checkpoint_dir(folder, recipe.resume_at))
+        return first.watch, second.watch
+
+    golden = record_golden([[*a.ctx.history, *b.ctx.history] for a, b in
+                            (segments(s, None, f"{tmp}/golden-{s}") for s in (1000, 1001))])
+    with injected(fault) if fault else contextlib.nullcontext():
+        return segments(seed, golden, f"{tmp}/resume-{fault}-{seed}")
+
+
+@pytest.mark.parametrize("fault", list(RESUMED), ids=str)
+def test_a_resumed_trainer_is_watched_from_its_global_step(fault, tmp):
+    first, second = resumed(fault, tmp)
+    at = RECIPES["resume"].resume_at
+    assert second.ctx.start_step == at and second.ctx.previous is first.ctx
+    assert [r.step for r in second.ctx.history] == list(range(at + 1, RECIPES["resume"].steps + 1))
+    assert first.findings == [], [f"{f.detector}: {f.message}" for f in first.findings]
+    if fault is None:
+        assert second.findings == [], [f"{f.detector}: {f.message}" for f in second.findings]
+        assert second.ctx.history[0].opt_count == at + 1
+        return
+    top = second.findings[0]
+    assert (top.detector, top.subsystem, top.where) == (*RESUMED[fault][:1], "checkpoint", RESUMED[fault][1]), [
+        f"{f.detector} [{f.subsystem}] {f.where}: {f.message}" for f in second.findings]
