@@ -26,6 +26,7 @@ import collections
 import functools
 import math
 import statistics
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -62,14 +63,15 @@ class Implied:
         return float(known.sum()) + unknown * float(known.median())
 
 
-_cache: tuple[torch.Tensor, Implied] | None = None  # the last analysed gradient (the watch and detectors share it)
+# the last analysed gradient, weakly held (the watch and the detectors of one backward share it)
+_cache: tuple[weakref.ref, Implied] | None = None
 
 
 def implied(logits: torch.Tensor, grad: torch.Tensor) -> Implied | None:
     """The labels, weights and loss implied by ``grad`` = d loss / d ``logits`` (B, T, V), or None for other
     shapes. Cost: one min and one logsumexp over the logits (cached for the same ``grad`` object)."""
     global _cache
-    if _cache is not None and _cache[0] is grad:
+    if _cache is not None and _cache[0]() is grad:
         return _cache[1]
     if logits.dim() != 3 or grad.shape != logits.shape or not logits.is_floating_point():
         return None
@@ -87,7 +89,7 @@ def implied(logits: torch.Tensor, grad: torch.Tensor) -> Implied | None:
         ratio = torch.where(q > 1e-12, nll / q.clamp(min=1e-12), torch.ones_like(q))
         loss = float((-g_y * ratio * labelled).sum())
         result = Implied(labelled, y, w, nll, loss, _residual(z, g, y, w, measurable))
-    _cache = (grad, result)
+    _cache = (weakref.ref(grad), result)
     return result
 
 
