@@ -222,15 +222,23 @@ def glimpsed(model: torch.nn.Module):
             h.remove()
 
 
-def raised_in(exc: BaseException, model: torch.nn.Module) -> str | None:
-    """The path of the innermost submodule of ``model`` whose method is on ``exc``'s traceback."""
-    names, where, tb = {id(m): name for name, m in model.named_modules()}, None, exc.__traceback__
-    while tb is not None:
-        owner = tb.tb_frame.f_locals.get("self")
-        if owner is not None and names.get(id(owner)):
-            where = names[id(owner)]
-        tb = tb.tb_next
-    return where
+def raised_in(model: torch.nn.Module, call: Callable[[], object]) -> str | None:
+    """The path of the innermost submodule of ``model`` still running when ``call()`` raised (module hooks: a
+    pre-hook pushes the module, a completed forward pops it), or None when it does not raise."""
+    stack: list[str] = []
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+            handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))  # output kept
+    try:
+        call()
+    except Exception:  # noqa: BLE001 - the error is the caller's; only where it happened is asked
+        return stack[-1] if stack else None
+    finally:
+        for h in handles:
+            h.remove()
+    return None
 
 
 def tolerance_of(dtypes: set) -> float:
@@ -311,7 +319,8 @@ class ProbeRound:
                 positions = torch.arange(ids.shape[1], device=ids.device).expand_as(batch).clone()
                 positions[self._plain_rows["shifted"]] += SHIFT
             if self._unmasked_error is None and self.lm.unpadded_error is not None:
-                self._unmasked_error = (self.lm.unpadded_error, raised_in(self.lm.unpadded_error, self.lm.model))
+                where = raised_in(self.lm.model, lambda: self.lm.logits(self.ids))
+                self._unmasked_error = (self.lm.unpadded_error, where)
             if self._unmasked_error is not None:
                 raise NotApplicable(f"the model raises on an unpadded batch ({self._unmasked_error[0]})")
             try:
@@ -329,7 +338,7 @@ class ProbeRound:
                 batch = torch.cat(list(rows.values()))
                 self._plain = self._forward(batch, None, positions[: len(rows)] if positions is not None else None)
             except Exception as exc:  # noqa: BLE001 - the model fails on the plainest call: causality says so
-                self._unmasked_error = (exc, raised_in(exc, self.lm.model))
+                self._unmasked_error = (exc, raised_in(self.lm.model, lambda: self.lm.logits(self.ids)))
                 raise NotApplicable(f"the model raises on an unpadded batch ({exc})") from exc
         return self._plain
 
