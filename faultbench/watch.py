@@ -125,6 +125,7 @@ class Watch:
         self._stale_hooked = False  # the stale-gradient check is hooked on this step's first backward
         self._last_param = None  # under a scaler: the parameter whose gradient a backward completes last
         self._grad_handles: dict = {}
+        self._eval_handles: list = []  # after exit: forward hooks for evaluations only (watch_evaluations)
         self.detectors = _instantiate(detectors)
         self.print_report, self.out = report, out
         self.not_applicable: dict[str, str] = {}
@@ -221,6 +222,21 @@ class Watch:
             handle.remove()
         self._handles.clear()
 
+    def watch_evaluations(self) -> None:
+        """After exit: keep the model's forward hooks for evaluation forwards only (no grad or eval mode), so an
+        evaluation run after training (``trainer.evaluate()``) reaches the detectors' ``on_eval_forward``; its
+        findings join ``findings`` (not the report already printed). ``stop_watching_evaluations`` removes them."""
+        if self.attached or self._eval_handles:
+            return
+        model = self.ctx.model
+        self._eval_handles = [model.register_forward_pre_hook(self._guard(self._before_forward), with_kwargs=True),
+                              model.register_forward_hook(self._guard(self._after_forward))]
+
+    def stop_watching_evaluations(self) -> None:
+        for handle in self._eval_handles:
+            handle.remove()
+        self._eval_handles = []
+
     def _guard(self, fn):
         """``fn`` as a hook that never raises into the loop (its error is kept as the watch's own) and keeps quiet
         during a detector's probe."""
@@ -247,6 +263,8 @@ class Watch:
         batch, self._pending = self._pending or {}, None
         logits, loss = split_output(output)
         if torch.is_grad_enabled() and module.training:
+            if not self.attached:  # after exit, only evaluations are watched
+                return
             self._track_scale()
             self._micro += 1
             if loss is not None and loss.numel() == 1:

@@ -118,3 +118,25 @@ def test_a_resumed_trainer_is_watched_from_its_global_step(fault, tmp):
     top = second.findings[0]
     assert (top.detector, top.subsystem, top.where) == (*RESUMED[fault][:1], "checkpoint", RESUMED[fault][1]), [
         f"{f.detector} [{f.subsystem}] {f.where}: {f.message}" for f in second.findings]
+
+
+@pytest.mark.parametrize("fault", [None, "hf_eval_in_train_mode"], ids=str)
+def test_an_evaluate_after_train_is_watched_until_close(fault, tmp):
+    """trainer.evaluate() after train(): its forwards reach the watch (the model in train mode is found), and after
+    close() the model carries no hook of the watch."""
+    with injected(fault) if fault else contextlib.nullcontext():
+        run = build_run(RECIPES["fp32"], 0, f"{tmp}/evaluate-{fault}")
+        callback = FaultbenchCallback(report=False)
+        run.trainer.add_callback(callback)
+        run.trainer.train()
+        assert not callback.watch.attached and callback.watch.findings == []
+        run.trainer.evaluate()
+    watch = callback.watch
+    if fault is None:
+        assert watch.findings == [], [f"{f.detector}: {f.message}" for f in watch.findings]
+    else:
+        assert [(f.detector, f.subsystem, f.where) for f in watch.findings] == [("bb_eval_mode", "eval", "eval")]
+    evaluated = [r.evals for r in watch.ctx.history if r.evals]
+    assert evaluated and evaluated[-1][0] > 0  # the evaluated documents were counted on the last step's record
+    callback.close()
+    assert not run.model._forward_hooks and not run.model._forward_pre_hooks
