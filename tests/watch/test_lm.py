@@ -127,3 +127,36 @@ def test_the_trial_call_leaves_training_mode_and_the_rng_as_they_were():
     torch.manual_seed(7)
     CausalLM.wrap(model)
     assert model.training and torch.equal(torch.rand(3), expected)
+
+
+def test_the_reference_gpt_generates_through_its_own_cache_with_logits_caught_by_a_forward_hook():
+    """A generate that is not transformers' (max_new_tokens, its own KV cache, returns only the sequences): the
+    logits of each decode call come from a forward hook and equal one forward over the generated sequence."""
+    from model.config import ModelConfig
+    from model.gpt import GPT
+
+    torch.manual_seed(0)
+    lm = CausalLM.wrap(GPT(ModelConfig(vocab_size=64)).eval())
+    assert lm.has_generate and not lm.takes_cache  # its cache argument is not past_key_values
+    prompt = ids(64, (2, 6))
+    with torch.no_grad():
+        sequences, logits = lm.generate(prompt, torch.ones_like(prompt), new_tokens=3)
+        full = lm.logits(sequences)
+    assert sequences.shape == (2, 9) and logits.shape == (2, 3, 64)
+    assert (full[:, 5:8] - logits).abs().max() < 1e-4
+    assert torch.equal(sequences[:, 6:], logits.argmax(-1))  # its default decoding is greedy
+
+
+def test_a_model_that_raises_unpadded_but_runs_padded_is_wrapped_with_its_error_kept():
+    class PaddedOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 16)
+
+        def forward(self, input_ids, attention_mask=None):
+            if attention_mask is None or bool(attention_mask.all()):
+                raise TypeError("no mask to read")
+            return self.emb(input_ids)
+
+    lm = CausalLM.wrap(PaddedOnly())
+    assert isinstance(lm.unpadded_error, TypeError) and lm.takes_attention_mask
