@@ -217,6 +217,7 @@ REF_FAULTS = [  # reference faults: the probes that must see them, with subsyste
     ("softmax_wrong_axis", {"attention_distribution": ("model", "blocks.0.attn"),
                             "causality": ("model", "blocks.0.attn")}),  # the leak is the normalization's
     ("no_causal_mask", {"causality": ("mask", "blocks.0.attn")}),
+    ("padding_mask_dropped", {"padding_invariance": ("mask", "blocks.0.attn")}),  # generate's pads: not said again
     ("rope_rotation_sign", {"position_shift": ("position", "blocks.0.attn")}),
     ("probs_then_log_softmax", {"output_contract": ("model", "")}),
     ("init_std_too_large", {"output_contract": ("model", "")}),
