@@ -357,7 +357,8 @@ class Watch:
             return
         self._fresh = False
         params = self._trainable
-        if not _norm(p.grad for p in params if p.grad is not None):  # one fused check: all clear (or None)
+        # a forgotten zero_grad leaves every gradient: the first and last parameters tell (cheap), all are then read
+        if not _norm(p.grad for p in (params[0], params[-1]) if p.grad is not None) if params else True:
             self.ctx.stale_grads = None
             return
         stale = [p for p in params if p.grad is not None and bool(p.grad.detach().ne(0).any())]
@@ -478,7 +479,7 @@ def record_golden(runs, path=None) -> dict:
          "final_loss": [lo, hi],
          "scaled": every run stepped under an enabled loss scaler,
          "groups": the optimizer's param groups as configured (WatchContext.group_config), when all runs agree,
-         "layout": {"bos" | "bos2" | "eos" | "has_eos": [lo, hi] fraction of the training rows}, "max_len": int,
+         "layout": {"bos" | "bos2" | "eos": [lo, hi] fraction of the training rows}, "max_len": int,
          "repeats": the most training batches any run trained on twice,
          "eval_overlap": the largest fraction of evaluated documents that a run had trained on}
 
@@ -506,9 +507,8 @@ def record_golden(runs, path=None) -> dict:
     golden["groups"] = configs[0] if configs[0] is not None and all(c == configs[0] for c in configs) else None
     layouts = [[r.layout for r in h if r.layout] for h in histories]
     if all(layouts):
-        totals = [{k: sum(lay.get(k, 0) for lay in run) for k in ("rows", "bos", "bos2", "eos", "has_eos")}
-                  for run in layouts]
-        keys = [k for k in ("bos", "bos2", "eos", "has_eos") if all(k in lay for run in layouts for lay in run)]
+        totals = [{k: sum(lay.get(k, 0) for lay in run) for k in ("rows", "bos", "bos2", "eos")} for run in layouts]
+        keys = [k for k in ("bos", "bos2", "eos") if all(k in lay for run in layouts for lay in run)]
         golden["layout"] = {k: span(t[k] / t["rows"] for t in totals if t["rows"]) for k in keys}
         golden["max_len"] = max(lay["len"] for run in layouts for lay in run)
     else:

@@ -36,7 +36,7 @@ class StepRecord:
     since the previous record (its scale fell); micro_batches: training forwards since the previous step;
     batches: a hash of each training batch of the step (detectors.blackbox.batches: same tokens, same hash);
     layout: counts over the step's training rows ("rows", "len": longest padded length, and with a tokenizer's
-    BOS/EOS ids "bos", "bos2", "eos", "has_eos": see batches.layout); opt_count: the optimizer's own step counter
+    BOS/EOS ids "bos", "bos2", "eos": see batches.layout); opt_count: the optimizer's own step counter
     after the step (a per-parameter "step" of its state; None for an optimizer without one); groups: on the
     first record of each watch only, the optimizer's param groups as configured (``WatchContext.group_config``).
     evals: [documents evaluated after the step (rows of evaluation forwards, prompts and decoding left out), how

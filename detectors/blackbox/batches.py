@@ -68,28 +68,28 @@ def special_ids(tokenizer) -> dict[str, int]:
 
 def layout(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]) -> dict[str, int]:
     """Counts over a batch's rows: "rows", "bos" (first real token is BOS), "bos2" (first two are BOS), "eos" (last
-    real token is EOS), "has_eos" (EOS anywhere among the real tokens), "len" (the padded length)."""
+    real token is EOS), "len" (the padded length). A few tensor ops on the rows' first, second and last tokens."""
     ids, keep, aligned = _rows(ids, mask)
     b, t = ids.shape
     out = {"rows": b, "len": t}
     if not special or t < 2:
         return out
     if keep is None:
-        firsts, seconds, lasts = ids[:, 0], ids[:, 1], ids[:, -1]
+        picked = ids[:, [0, 1, t - 1]]
+    elif aligned:  # no left padding: the last real token sits at length - 1
+        last = (keep.sum(-1, keepdim=True) - 1).clamp_min(0)
+        picked = torch.cat([ids[:, :2], ids.gather(1, last)], 1)
     else:
-        lengths = keep.sum(-1)
-        first = torch.zeros_like(lengths) if aligned else keep.int().argmax(-1)
-        last = (first + lengths - 1).clamp_min(0) if aligned else t - 1 - keep.int().flip(-1).argmax(-1)
+        first = keep.int().argmax(-1)
+        last = t - 1 - keep.int().flip(-1).argmax(-1)
         picked = ids.gather(1, torch.stack([first, (first + 1).clamp_max(t - 1), last], 1))
-        firsts, seconds, lasts = picked.unbind(1)
+    bos, eos = special.get("bos", -1), special.get("eos", -1)
+    hits = picked == torch.tensor([bos, bos, eos], device=ids.device)
+    first_bos, both_bos, last_eos = torch.stack([hits[:, 0], hits[:, 0] & hits[:, 1], hits[:, 2]], 1).sum(0).tolist()
     if "bos" in special:
-        at_first = firsts == special["bos"]
-        out["bos"] = int(at_first.sum())
-        out["bos2"] = int((at_first & (seconds == special["bos"])).sum())
+        out["bos"], out["bos2"] = first_bos, both_bos
     if "eos" in special:
-        out["eos"] = int((lasts == special["eos"]).sum())
-        is_eos = ids == special["eos"]
-        out["has_eos"] = int((is_eos if keep is None else is_eos & keep).any(-1).sum())
+        out["eos"] = last_eos
     return out
 
 

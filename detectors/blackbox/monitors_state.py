@@ -393,7 +393,7 @@ class CrossRank(BlackBoxDetector):
 @register
 class GoldenLayout(BlackBoxDetector):
     """Where the tokenizer's BOS and EOS sit in the training rows against the known-good runs' (``golden["layout"]``:
-    the fraction of rows starting with BOS, with two BOS, ending with EOS, holding an EOS): a fraction outside
+    the fraction of rows starting with BOS, with two BOS, ending with EOS): a fraction outside
     their span by more than ``TOL`` once ``MIN_ROWS`` rows were seen."""
 
     id = "bb_golden_layout"
@@ -401,8 +401,7 @@ class GoldenLayout(BlackBoxDetector):
     description = "BOS/EOS placement in the training rows vs the known-good runs'"
     TOL = 0.05
     MIN_ROWS = 64
-    TEXT = {"bos": "rows starting with BOS", "bos2": "rows starting with two BOS", "eos": "rows ending with EOS",
-            "has_eos": "rows holding an EOS"}
+    TEXT = {"bos": "rows starting with BOS", "bos2": "rows starting with two BOS", "eos": "rows ending with EOS"}
 
     def __init__(self) -> None:
         super().__init__()
