@@ -42,7 +42,7 @@ import torch
 
 from detectors.api import Finding, NotApplicable, all_detectors, rank_findings
 from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
-from detectors.blackbox.batches import batch_hash, layout, rng_fingerprint, row_hashes, special_ids
+from detectors.blackbox.batches import batch_hash, layout, row_hashes, special_ids
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -257,7 +257,7 @@ class Watch:
     def _before_forward(self, module, args, kwargs) -> None:
         self._pending = self.ctx.pending_batch = normalize_call(self._signature, args, kwargs)
         if self.ctx.rng_at_start is None and torch.is_grad_enabled() and module.training:
-            self.ctx.rng_at_start = rng_fingerprint()  # the global RNG as the first training forward finds it
+            self.ctx.rng_at_start = torch.get_rng_state()  # the global RNG as the first training forward finds it
 
     def _after_forward(self, module, args, output) -> None:
         batch, self._pending = self._pending or {}, None
@@ -404,7 +404,7 @@ class Watch:
                             ctx.optimizer_count(), None if ctx.history else ctx.group_config())
         for h in self._batches:
             ctx.batches_seen.setdefault(h, ctx.step)
-        ctx.rng_at_step = rng_fingerprint()
+        ctx.rng_at_step = torch.get_rng_state()  # a 5 KB copy; compared only at a resume
         ctx.history.append(record)
         self._batches, self._layout, self._stale_hooked = [], None, False
         self._losses, self._implied, self._micro, self._fresh = [], [], 0, True

@@ -75,8 +75,8 @@ class WatchContext:
         self.history: list[StepRecord] = []
         self.stale_grads: dict | None = None
         self.skipped_steps = 0  # optimizer steps the loss scaler skipped (its scale fell), trailing ones included
-        self.rng_at_start: int | None = None  # torch's global RNG state (a hash) before the first training forward
-        self.rng_at_step: int | None = None  # ... and after the last optimizer step
+        self.rng_at_start: torch.Tensor | None = None  # torch's global RNG state before the first training forward
+        self.rng_at_step: torch.Tensor | None = None  # ... and after the last optimizer step
         self.pending_batch: dict | None = None  # the batch of the forward in flight (a crash's batch)
         self.backward_seen = False  # at a step: whether a backward ran through a training forward since the last
         self.start_step = 0  # the loop's step when the watch was attached (a resumed loop's step; ``step`` too)

@@ -92,8 +92,3 @@ def layout(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]
         out["eos"] = last_eos
     return out
 
-
-def rng_fingerprint() -> int:
-    """A hash of torch's global CPU generator state (what dropout and random sampling draw from)."""
-    state = torch.get_rng_state().to(torch.int64)
-    return int((state * _weights(_WEIGHTS, state.numel())).sum())

@@ -533,7 +533,7 @@ class RNGContinuity(BlackBoxDetector):
         if self._checked or ctx.rng_at_start is None:
             return
         self._checked = True
-        if ctx.rng_at_start != ctx.previous.rng_at_step:
+        if not torch.equal(ctx.rng_at_start, ctx.previous.rng_at_step):
             self.report(ctx, "checkpoint", "checkpoint",
                         f"the resumed run (step {ctx.start_step}) draws from a torch RNG state other than the one the "
                         "run stopped with: the generator's state was not restored with the checkpoint, so dropout "
