@@ -53,13 +53,13 @@ class GoldenLR(BlackBoxDetector):
     schedule is deterministic, so an LR outside their span by more than ``REL`` is another schedule. Out at one of
     the first ``RESUME_STEPS`` steps after a resume (the loop's ``step`` > 0) while the run before it followed the
     golden: the resume did not restore the schedule's position (checkpoint). Elsewhere, out on ``MIN_STEPS``
-    steps: the schedule itself is wrong (optimizer: its horizon, its units, its scale)."""
+    step(s) in a row: the schedule itself is wrong (optimizer: its horizon, its units, its scale)."""
 
     id = "bb_golden_lr"
     family = "optimizer"
     description = "LR the optimizer used vs the known-good runs' LR at the same step (schedule, resume)"
     REL = 0.02
-    MIN_STEPS = 2
+    MIN_STEPS = 1  # a schedule is deterministic: one step off the known-good runs' LR is another schedule
     RESUME_STEPS = 2
 
     def __init__(self) -> None:
@@ -105,7 +105,7 @@ class GoldenLR(BlackBoxDetector):
             self.report(ctx, "optimizer", where,
                         f"from step {first['step']} the optimizer stepped with lr {first['lr']:.3g} where the "
                         f"known-good runs used {first['golden'][0]:.3g}..{first['golden'][1]:.3g} (x{ratio:.3g}) for "
-                        f"{len(self._out)} steps in a row: the LR schedule is not the one of the known-good runs (its "
+                        f"{len(self._out)} step(s) in a row: the LR schedule is not the one of the known-good runs (its "
                         "horizon, its units or its scale differ)", {"points": self._out[:5]}, confidence=0.75)
 
 

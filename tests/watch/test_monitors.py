@@ -253,7 +253,7 @@ def test_a_schedule_that_differs_from_the_golden_is_an_optimizer_finding(seed):
     w = _segment(parts, _batches(seed), 0, STEPS, golden=_golden())
     top = w.findings[0]
     assert (top.detector, top.subsystem, top.where) == ("bb_golden_lr", "optimizer", "scheduler"), _messages(w)
-    assert top.step == 3 and top.evidence["points"][0] == {"step": 2, "group": 0, "lr": pytest.approx(16 * 3e-3 / 2),
+    assert top.step == 2 and top.evidence["points"][0] == {"step": 2, "group": 0, "lr": pytest.approx(16 * 3e-3 / 2),
                                                            "golden": pytest.approx([3e-3 / 2] * 2)}
 
 
