@@ -105,8 +105,8 @@ class GoldenLR(BlackBoxDetector):
             self.report(ctx, "optimizer", where,
                         f"from step {first['step']} the optimizer stepped with lr {first['lr']:.3g} where the "
                         f"known-good runs used {first['golden'][0]:.3g}..{first['golden'][1]:.3g} (x{ratio:.3g}) for "
-                        f"{len(self._out)} step(s) in a row: the LR schedule is not the one of the known-good runs (its "
-                        "horizon, its units or its scale differ)", {"points": self._out[:5]}, confidence=0.75)
+                        f"{len(self._out)} step(s) in a row: the LR schedule is not the one of the known-good runs "
+                        "(its horizon, its units or its scale differ)", {"points": self._out[:5]}, confidence=0.75)
 
 
 @register
