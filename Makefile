@@ -26,10 +26,10 @@ test: setup
 # The main job: every fault x 3 seeds plus the clean matrix of both targets (ref, hf), scored; writes results/
 # (cached per case). `faultbench bench --target ref|hf` runs one target.
 bench: setup
-	$(PY) -m harness bench --target all
+	$(PY) -m faultbench bench --target all
 
 bench-quick: setup
-	$(PY) -m harness bench --quick --target all --out results/quick
+	$(PY) -m faultbench bench --quick --target all --out results/quick
 
 # Peer tools, each in a venv of its own so the core install stays lean (torch pinned in each):
 # TrainCheck and torcheck (torcheck declares an old torch: installed without its dependencies), and
@@ -56,15 +56,15 @@ $(SMDEBUG)/.installed: pyproject.toml
 bench-peers: setup $(PEERS)/.installed $(SMDEBUG)/.installed
 	$(PEERS)/bin/python -m pytest -q -p no:cacheprovider tests/peers
 	$(SMDEBUG)/bin/python -m pytest -q -p no:cacheprovider tests/peers/test_smdebug_peer.py
-	$(PY) -m harness bench
-	$(PY) -m harness bench --target ref --detectors detect_anomaly crash_triage --out results/peers/detect_anomaly
-	$(PEERS)/bin/python -m harness bench --target ref --plugin peers.torcheck_peer --detectors torcheck --out results/peers/torcheck
-	$(SMDEBUG)/bin/python -m harness bench --target ref --plugin peers.smdebug_peer --detectors smdebug --out results/peers/smdebug
-	$(PEERS)/bin/python -m peers.traincheck_peer --out results/peers/traincheck
-	$(PEERS)/bin/python -m peers.overhead torcheck
-	$(SMDEBUG)/bin/python -m peers.overhead smdebug
-	$(PEERS)/bin/python -m peers.overhead traincheck
-	$(PY) -m peers.report
+	$(PY) -m faultbench bench
+	$(PY) -m faultbench bench --target ref --detectors detect_anomaly crash_triage --out results/peers/detect_anomaly
+	$(PEERS)/bin/python -m faultbench bench --target ref --plugin faultbench.peers.torcheck_peer --detectors torcheck --out results/peers/torcheck
+	$(SMDEBUG)/bin/python -m faultbench bench --target ref --plugin faultbench.peers.smdebug_peer --detectors smdebug --out results/peers/smdebug
+	$(PEERS)/bin/python -m faultbench.peers.traincheck_peer --out results/peers/traincheck
+	$(PEERS)/bin/python -m faultbench.peers.overhead torcheck
+	$(SMDEBUG)/bin/python -m faultbench.peers.overhead smdebug
+	$(PEERS)/bin/python -m faultbench.peers.overhead traincheck
+	$(PY) -m faultbench.peers.report
 
 perf: setup
 	$(PY) -m benchmarks.perf
@@ -74,11 +74,11 @@ perf: setup
 
 # Every fault's manifest, run and tabulated with its evidence: results/faults.md.
 faults-report: setup
-	$(PY) -m harness.fault_report
+	$(PY) -m faultbench.harness.fault_report
 
 # Not part of CI: the unit tests once per fault, injected; writes results/mutation.md.
 mutation: setup
-	$(PY) -m harness.mutation
+	$(PY) -m faultbench.harness.mutation
 
 lint: setup
 	$(PY) -m ruff check .

@@ -18,9 +18,9 @@ import statistics
 
 import torch
 
-from detectors.api import all_detectors, suite_ids
-from harness.case import RECIPES, Case, run_case
-from harness.golden import load_golden
+from faultbench.detectors.api import all_detectors, suite_ids
+from faultbench.harness.case import RECIPES, Case, run_case
+from faultbench.harness.golden import load_golden
 
 TARGET = 1.05
 

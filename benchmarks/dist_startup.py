@@ -15,9 +15,9 @@ import json
 import statistics
 import time
 
-from harness.launch import RankPool
-from harness.training import train_on_rank
-from model.config import get_preset
+from faultbench.harness.launch import RankPool
+from faultbench.harness.training import train_on_rank
+from faultbench.model.config import get_preset
 
 
 def _case(pool: RankPool, cfg: dict) -> tuple[float, float]:

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-import targets
+from faultbench import targets
 
 targets.get("hf")  # HF_HUB_OFFLINE before transformers is imported
 
@@ -45,14 +45,14 @@ from transformers import (  # noqa: E402
     get_cosine_schedule_with_warmup,
 )
 
-from detectors.api import RunContext  # noqa: E402
-from harness.case import Suite  # noqa: E402
-from targets.hf.data import TextDataset, load_texts, wrap_tokenizer  # noqa: E402
-from targets.hf.hooks import train  # noqa: E402
-from targets.hf.modeling import build_model  # noqa: E402
-from targets.hf.recipes import RECIPES, Recipe  # noqa: E402
-from targets.hf.run import build_run  # noqa: E402
-from targets.hf.seams import SEAMS, resolve  # noqa: E402
+from faultbench.detectors.api import RunContext  # noqa: E402
+from faultbench.harness.case import Suite  # noqa: E402
+from faultbench.targets.hf.data import TextDataset, load_texts, wrap_tokenizer  # noqa: E402
+from faultbench.targets.hf.hooks import train  # noqa: E402
+from faultbench.targets.hf.modeling import build_model  # noqa: E402
+from faultbench.targets.hf.recipes import RECIPES, Recipe  # noqa: E402
+from faultbench.targets.hf.run import build_run  # noqa: E402
+from faultbench.targets.hf.seams import SEAMS, resolve  # noqa: E402
 
 TARGET = 1.05
 ARMS = ("faultbench", "trainer", "loop")

@@ -19,12 +19,12 @@ import time
 import torch
 
 from benchmarks.plain_gpt import PlainGPT, lm_loss
-from model.config import get_preset
-from model.loss import count_targets
-from model.optim import configure_optimizer, lr_at
-from model.precision import autocast_context
-from model.run import build_run
-from model.train import forward_loss, next_micro_batches, train_step
+from faultbench.model.config import get_preset
+from faultbench.model.loss import count_targets
+from faultbench.model.optim import configure_optimizer, lr_at
+from faultbench.model.precision import autocast_context
+from faultbench.model.run import build_run
+from faultbench.model.train import forward_loss, next_micro_batches, train_step
 
 TARGET = 1.05
 

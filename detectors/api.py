@@ -333,10 +333,14 @@ HOOKS = ("on_start", "on_batch", "on_forward", "on_backward", "on_before_step", 
 
 DETECTORS: dict[str, type[Detector]] = {}
 BUILTIN_MODULES = (
-    "detectors.data", "detectors.collate", "detectors.mask", "detectors.position", "detectors.model",
-    "detectors.loss", "detectors.optimizer", "detectors.precision", "detectors.checkpoint",
-    "detectors.distributed", "detectors.eval", "detectors.resources", "detectors.baselines",
-    "detectors.blackbox.monitors", "detectors.blackbox.probes", "detectors.blackbox.gradients",
+    "faultbench.detectors.data", "faultbench.detectors.collate", "faultbench.detectors.mask",
+    "faultbench.detectors.position", "faultbench.detectors.model",
+    "faultbench.detectors.loss", "faultbench.detectors.optimizer", "faultbench.detectors.precision",
+    "faultbench.detectors.checkpoint",
+    "faultbench.detectors.distributed", "faultbench.detectors.eval", "faultbench.detectors.resources",
+    "faultbench.detectors.baselines",
+    "faultbench.detectors.blackbox.monitors", "faultbench.detectors.blackbox.probes",
+    "faultbench.detectors.blackbox.gradients",
 )
 _loaded = False
 

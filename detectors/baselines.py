@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from detectors.api import Detector, RunContext, register
+from faultbench.detectors.api import Detector, RunContext, register
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from detectors import probes
-from detectors.api import Detector, RunContext, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, RunContext, register
 
 LOAD, SAVE = "model.checkpoint.load_checkpoint", "model.checkpoint.save_checkpoint"
 RESTORE_RNG, CAPTURE_RNG = "model.checkpoint.restore_rng_state", "model.checkpoint.capture_rng_state"

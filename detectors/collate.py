@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
 
 COLLATE = "model.data.collate"
 POSITIONS = "model.rope.position_ids_from_mask"

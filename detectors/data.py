@@ -21,8 +21,8 @@ import itertools
 import numpy as np
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
 
 TRUNCATE = "model.data.truncate"
 ENCODE = "model.tokenizer.Tokenizer.encode"

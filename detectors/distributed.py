@@ -26,8 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from detectors import probes
-from detectors.api import Detector, RunContext, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, RunContext, register
 
 HOOK = "model.distributed.average_gradients_hook"
 SYNC = "model.distributed.grad_sync_context"

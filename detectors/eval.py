@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from detectors import probes
-from detectors.api import Detector, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
 
 EVALUATE = "model.evaluate.evaluate"
 COLLATE = "model.data.collate"

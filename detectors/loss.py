@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
 
 LM_LOSS = "model.loss.lm_loss"
 COUNT_TARGETS = "model.loss.count_targets"

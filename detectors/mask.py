@@ -21,9 +21,9 @@ import abc
 
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
-from detectors.probes import attend_diagnosis
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
+from faultbench.detectors.probes import attend_diagnosis
 
 BUILD_MASK = "model.attention.build_attention_mask"
 ATTEND = "model.attention.attend"

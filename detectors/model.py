@@ -22,9 +22,9 @@ import math
 
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
-from detectors.probes import attend_diagnosis
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
+from faultbench.detectors.probes import attend_diagnosis
 
 ATTEND = "model.attention.attend"
 INIT = "model.gpt.GPT.init_weights"

@@ -25,8 +25,8 @@ import math
 
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
 
 CONFIGURE = "model.optim.configure_optimizer"
 LR_AT = "model.optim.lr_at"

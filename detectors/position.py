@@ -23,8 +23,8 @@ import copy
 
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
 
 TABLES = "model.rope.rope_tables"
 ROPE_AT = "model.rope.rope_at"

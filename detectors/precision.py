@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
 
 MAKE_SCALER = "model.precision.make_grad_scaler"
 OPTIMIZER_STEP = "model.train.optimizer_step"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from detectors.api import Detector
+from faultbench.detectors.api import Detector
 
 
 def sample_docs(ctx, count: int = 4, max_len: int | None = None, distinct_lengths: bool = True,

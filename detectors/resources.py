@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from detectors import probes
-from detectors.api import Detector, register
+from faultbench.detectors import probes
+from faultbench.detectors.api import Detector, register
 
 COLLATE = "model.data.collate"
 NEXT_MICRO_BATCHES = "model.train.next_micro_batches"

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from faults.registry import Manifest, fault
-from model.config import TrainConfig
-from model.data import IGNORE_INDEX
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.config import TrainConfig
+from faultbench.model.data import IGNORE_INDEX
 
 
 @fault(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"watch": "faultbench.watch", "Watch": "faultbench.watch", "record_golden": "faultbench.watch",
-            "load_golden": "faultbench.watch", "Finding": "detectors.api"}
+            "load_golden": "faultbench.watch", "Finding": "faultbench.detectors.api"}
 __all__ = sorted(_EXPORTS)
 
 

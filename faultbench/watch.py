@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from detectors.api import Finding, NotApplicable, all_detectors, rank_findings
-from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
-from detectors.blackbox.batches import batch_hash, layout, row_hashes, special_ids
+from faultbench.detectors.api import Finding, NotApplicable, all_detectors, rank_findings
+from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
+from faultbench.detectors.blackbox.batches import batch_hash, layout, row_hashes, special_ids
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -295,7 +295,7 @@ class Watch:
                 if scale != 1.0:
                     grad = grad / scale
             if implied_loss:
-                from detectors.blackbox.gradients import implied
+                from faultbench.detectors.blackbox.gradients import implied
 
                 result = implied(detached, grad)
                 if result is not None:

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from faults.registry import Manifest, fault
-from model.checkpoint import FORMAT, CheckpointError, _config_mismatch, _sha256, read_meta, restore_rng_state
-from model.train import StepRecord
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.checkpoint import FORMAT, CheckpointError, _config_mismatch, _sha256, read_meta, restore_rng_state
+from faultbench.model.train import StepRecord
 
 # a resume halfway through 12 steps: the resumed run must retrace the uninterrupted one exactly
 _RESUME = dict(scenario="resume", steps=12, check="extra_at_least")

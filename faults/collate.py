@@ -2,10 +2,10 @@
 
 import torch
 
-from faults.registry import Manifest, fault
-from model.config import DataConfig
-from model.data import IGNORE_INDEX
-from model.rope import position_ids_from_mask
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.config import DataConfig
+from faultbench.model.data import IGNORE_INDEX
+from faultbench.model.rope import position_ids_from_mask
 
 
 @fault(

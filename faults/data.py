@@ -1,7 +1,7 @@
 """Faults in the `data` subsystem: corpus, tokenizer, sampler, truncation."""
 
-from faults.registry import Manifest, fault
-from model.data import collate
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.data import collate
 
 
 @fault(

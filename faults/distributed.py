@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from faults.registry import Manifest, fault
-from model.checkpoint import FORMAT, CheckpointError, _config_mismatch, _sha256, read_meta, restore_rng_state
-from model.train import StepRecord
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.checkpoint import FORMAT, CheckpointError, _config_mismatch, _sha256, read_meta, restore_rng_state
+from faultbench.model.train import StepRecord
 
 
 @fault(

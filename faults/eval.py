@@ -4,10 +4,10 @@ import random
 
 import torch
 
-from faults.registry import Manifest, fault
-from model.data import collate
-from model.loss import count_targets, lm_loss
-from model.precision import autocast_context
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.data import collate
+from faultbench.model.loss import count_targets, lm_loss
+from faultbench.model.precision import autocast_context
 
 
 @fault(

@@ -27,12 +27,13 @@ import textwrap
 import types
 from pathlib import Path
 
-from faults.registry import FaultError, FaultSpec, get_fault
-from model.seams import resolve
+from faultbench.faults.registry import FaultError, FaultSpec, get_fault
+from faultbench.model.seams import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 # modules whose functions feed the in-process corpus caches (model.data.load_corpus, targets.hf.data.load_texts)
-_CORPUS_MODULES = {"model.corpus", "model.tokenizer", "model.data", "targets.hf.data"}
+_CORPUS_MODULES = {"faultbench.model.corpus", "faultbench.model.tokenizer", "faultbench.model.data",
+                   "faultbench.targets.hf.data"}
 # functions of those modules that never run while the corpus is built: replacing them keeps the cache
 _NOT_IN_CORPUS = {"collate", "wrap_tokenizer", "TextDataset.__getitem__"}
 
@@ -211,7 +212,7 @@ def _private_tokenizer_cache():
     answers a private temporary folder meanwhile. Swapped in the module, not set in the environment
     (``TOKENIZER_CACHE_DIR``), which any code of the process can read: a changed cache folder would
     tell that the tokenizer is faulty."""
-    module = sys.modules["model.tokenizer"]
+    module = sys.modules["faultbench.model.tokenizer"]
     saved, tmp = module.cache_dir, Path(tempfile.mkdtemp(prefix="faultbench-tok-"))
     module.cache_dir = lambda: tmp
     try:
@@ -243,7 +244,7 @@ def injected(*fault_ids: str):
                 fn.__code__ = new_code
             lines_saved[path] = linecache.cache.get(path)
             linecache.cache[path] = (len(text), None, text.splitlines(keepends=True), path)
-        if "model.tokenizer" in plan:
+        if "faultbench.model.tokenizer" in plan:
             private_cache.enter_context(_private_tokenizer_cache())
         if _touches_corpus(plan):
             _clear_corpus_caches()

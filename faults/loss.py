@@ -3,10 +3,10 @@
 import torch
 import torch.nn.functional as F
 
-from faults.registry import Manifest, fault
-from model.data import IGNORE_INDEX
-from model.loss import count_targets, lm_loss
-from model.precision import autocast_context
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.data import IGNORE_INDEX
+from faultbench.model.loss import count_targets, lm_loss
+from faultbench.model.precision import autocast_context
 
 
 @fault(

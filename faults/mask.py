@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from faults.registry import Manifest, also_replaces, fault
+from faultbench.faults.registry import Manifest, also_replaces, fault
 
 
 @fault(

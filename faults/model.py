@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from faults.registry import Manifest, fault
-from model.attention import build_attention_mask
-from model.gpt import KVCache, _compute_dtype
-from model.rope import position_ids_from_mask, rope_at
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.attention import build_attention_mask
+from faultbench.model.gpt import KVCache, _compute_dtype
+from faultbench.model.rope import position_ids_from_mask, rope_at
 
 
 @fault(

@@ -6,12 +6,12 @@ import time
 import torch
 from torch import nn
 
-from faults.registry import Manifest, also_replaces, fault
-from model.config import TrainConfig
-from model.distributed import global_target_count, grad_sync_context, mean_over_ranks
-from model.loss import count_targets
-from model.optim import lr_at
-from model.train import StepRecord, clip_gradients, forward_loss, optimizer_step
+from faultbench.faults.registry import Manifest, also_replaces, fault
+from faultbench.model.config import TrainConfig
+from faultbench.model.distributed import global_target_count, grad_sync_context, mean_over_ranks
+from faultbench.model.loss import count_targets
+from faultbench.model.optim import lr_at
+from faultbench.model.train import StepRecord, clip_gradients, forward_loss, optimizer_step
 
 
 @fault(

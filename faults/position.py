@@ -2,8 +2,8 @@
 
 import torch
 
-from faults.registry import Manifest, fault
-from model.attention import apply_rope, attend
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.attention import apply_rope, attend
 
 
 @fault(

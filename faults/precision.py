@@ -6,10 +6,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from faults.registry import Manifest, fault
-from model.distributed import global_target_count, grad_sync_context, mean_over_ranks
-from model.loss import count_targets
-from model.train import StepRecord, clip_gradients, forward_loss, optimizer_step
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.distributed import global_target_count, grad_sync_context, mean_over_ranks
+from faultbench.model.loss import count_targets
+from faultbench.model.train import StepRecord, clip_gradients, forward_loss, optimizer_step
 
 
 @fault(

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.seams import SEAMS, SUBSYSTEMS, resolve
+from faultbench.model.seams import SEAMS, SUBSYSTEMS, resolve
 
 TRIGGERS = ("always", "rare-batch", "after-step", "on-resume", "multi-rank", "amp-only", "eval-only")
 SYMPTOMS = (
@@ -39,8 +39,8 @@ _SUBSYSTEM_MODULES = ("data", "collate", "mask", "position", "model", "loss", "o
 # per target, the modules of its builtin faults: a target's faults load with it (the HF stack's import costs
 # seconds, so a process that only touches the reference never pays for it)
 BUILTIN_MODULES = {
-    "ref": tuple(f"faults.{m}" for m in _SUBSYSTEM_MODULES),
-    "hf": tuple(f"faults.hf.{m}" for m in _SUBSYSTEM_MODULES),
+    "ref": tuple(f"faultbench.faults.{m}" for m in _SUBSYSTEM_MODULES),
+    "hf": tuple(f"faultbench.faults.hf.{m}" for m in _SUBSYSTEM_MODULES),
 }
 ENTRY_POINT_GROUP = "faultbench.plugins"
 
@@ -181,7 +181,7 @@ def seam_table(target: str) -> dict[str, str]:
     """{seam: subsystem} of ``target``; an unknown target raises ``FaultError`` naming the known ones."""
     if target == "ref":
         return SEAMS
-    import targets
+    from faultbench import targets
 
     try:
         return targets.get(target).seams()

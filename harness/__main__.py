@@ -1,3 +1,3 @@
-from harness.cli import main
+from faultbench.harness.cli import main
 
 raise SystemExit(main())

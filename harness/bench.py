@@ -31,13 +31,22 @@ from pathlib import Path
 
 import torch
 
-import targets
-from detectors.api import all_detectors, black_box_suite_ids, resolve_ids, suite_ids
-from harness.atomic import write_text
-from harness.case import Case, assign_recipes, behaviour, case_hash, execute, failed_record, source_digest
-from harness.detect import detector_groups
-from harness.report import split_timings
-from harness.score import BLACKBOX, SUITE, aggregate, case_rows, exclusive_overhead, not_runnable, per_fault, target_of
+from faultbench import targets
+from faultbench.detectors.api import all_detectors, black_box_suite_ids, resolve_ids, suite_ids
+from faultbench.harness.atomic import write_text
+from faultbench.harness.case import Case, assign_recipes, behaviour, case_hash, execute, failed_record, source_digest
+from faultbench.harness.detect import detector_groups
+from faultbench.harness.report import split_timings
+from faultbench.harness.score import (
+    BLACKBOX,
+    SUITE,
+    aggregate,
+    case_rows,
+    exclusive_overhead,
+    not_runnable,
+    per_fault,
+    target_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench"
@@ -80,7 +89,7 @@ def recipes_of(target: str) -> dict:
 def select_faults(cfg: BenchConfig) -> dict:
     """The faults the bench runs: every registered fault of ``cfg.targets`` (plugins included; only theirs
     with ``only_plugin_faults``), or ``cfg.faults``; a listed fault of another target raises ``ValueError``."""
-    from faults.registry import all_faults, get_fault, load_plugin
+    from faultbench.faults.registry import all_faults, get_fault, load_plugin
 
     builtin = {f for t in cfg.targets for f in all_faults(t)}
     for plugin in cfg.plugins:
@@ -151,7 +160,7 @@ def run_and_bundle(case: Case, golden: dict | None, bundles: Path | None, comman
     """``execute`` the case; with ``bundles``, capture its steps and bundle its top finding (if any) there."""
     if bundles is None:
         return execute(case, golden, pool, timeout_s)
-    from harness.bundle import bundle_name, write_bundle
+    from faultbench.harness.bundle import bundle_name, write_bundle
 
     with tempfile.TemporaryDirectory(prefix="faultbench-capture-") as capture:
         record = execute(case, golden, pool, timeout_s, capture_dir=capture)
@@ -285,8 +294,8 @@ def read_cached(path: Path, case: Case) -> dict | None:
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the matrix (cached cases reused), score it, write results/, return summary.json's object."""
-    from harness.golden import load_golden
-    from harness.launch import RankPool
+    from faultbench.harness.golden import load_golden
+    from faultbench.harness.launch import RankPool
 
     torch.set_num_threads(1)
     start = time.monotonic()
@@ -378,7 +387,7 @@ def target_scores(rows: list[dict], records: list[dict], faults: dict[str, dict]
 def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConfig, wall_s: float,
                     cached: int = 0) -> dict:
     """Score every target apart (summary.json's "targets"), write the results, return the summary."""
-    from harness.report import write_results
+    from faultbench.harness.report import write_results
 
     registry = all_detectors()
     rows = [row for record in records for row in case_rows(record, faults, suite_ids(), black_box_suite_ids())]

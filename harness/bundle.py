@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from harness.atomic import check_replaceable
+from faultbench.harness.atomic import check_replaceable
 
 FORMAT = 1
 FILES = ("bundle.json", "finding.json", "batch.pt", "checkpoint.pt", "metrics.jsonl")
@@ -47,7 +47,7 @@ class StepCapture:
         self.count = 0
 
     def state(self, run) -> None:
-        from model.checkpoint import capture_rng_state
+        from faultbench.model.checkpoint import capture_rng_state
 
         self.count += 1
         optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO: this rank's shard (no collective)
@@ -78,8 +78,8 @@ def _capture_before(rank_dir: Path, step: int | None) -> dict:
 def write_bundle(directory, record: dict, capture_dir, command: list[str]) -> Path:
     """The bundle of ``record``'s top finding from the case's capture; written to a temporary folder and
     renamed into place. Returns the folder."""
-    from harness.bench import code_digest
-    from harness.case import RECIPES
+    from faultbench.harness.bench import code_digest
+    from faultbench.harness.case import RECIPES
 
     if not record["findings"]:
         raise ValueError("no finding to bundle: the detectors were silent on this case")
@@ -188,12 +188,12 @@ def _tensors_equal(a, b) -> bool:
 
 def run_captured(case, capture_dir: str) -> dict:
     """The case's record (findings of every rank merged), with its steps captured under ``capture_dir``."""
-    from harness.case import RECIPES, execute
-    from harness.golden import load_golden
+    from faultbench.harness.case import RECIPES, execute
+    from faultbench.harness.golden import load_golden
 
     pool = None
     if RECIPES[case.recipe].world_size > 1:
-        from harness.launch import RankPool
+        from faultbench.harness.launch import RankPool
 
         pool = RankPool(RECIPES[case.recipe].world_size)
     try:
@@ -217,9 +217,9 @@ def _load_tensors(path: Path):
 
 def replay(directory) -> dict:
     """Run the bundle's case again; what came back and what differs (``reproduced``: all of it matches)."""
-    from faults.registry import load_plugin
-    from harness.bench import code_digest
-    from harness.case import RECIPES, case_from_dict
+    from faultbench.faults.registry import load_plugin
+    from faultbench.harness.bench import code_digest
+    from faultbench.harness.case import RECIPES, case_from_dict
 
     directory = Path(directory)
     meta = verify(directory)

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-import targets
-from detectors.api import HOOKS, Detector, NotApplicable, RunContext, all_detectors, rank_findings, rank_key
-from harness.watched import Watched, split_tracks
-from model.config import DataConfig, RunConfig, get_preset
-from model.seams import SEAMS, resolve
+from faultbench import targets
+from faultbench.detectors.api import HOOKS, Detector, NotApplicable, RunContext, all_detectors, rank_findings, rank_key
+from faultbench.harness.watched import Watched, split_tracks
+from faultbench.model.config import DataConfig, RunConfig, get_preset
+from faultbench.model.seams import SEAMS, resolve
 
 EVAL_DOCS = 128  # validation documents evaluated at the end of a case (the full split takes 8x longer)
 DECODE_PROMPTS, DECODE_TOKENS = 4, 8  # a case ends as real runs do: sampling from the model, with the KV cache
@@ -113,7 +113,7 @@ class NotRunnable(ValueError):
 @lru_cache(maxsize=32)
 def train_docs(data: DataConfig) -> int:
     """Documents in the training split of ``data``'s corpus (sampled and split, not tokenized)."""
-    from model.corpus import MarkovSource, split_of
+    from faultbench.model.corpus import MarkovSource, split_of
 
     texts = MarkovSource.from_config(data).sample(data.num_docs, seed=data.corpus_seed + 1)
     return sum(split_of(t, data.val_fraction) == "train" for t in texts)
@@ -131,7 +131,7 @@ def _feature(section: str, key: str, value):
 
 def needs(manifest) -> dict[tuple[str, str], object]:
     """What a recipe must have for the fault to show: (section, key) -> value (on/off for a switch)."""
-    from harness.scenario import scenario_config
+    from faultbench.harness.scenario import scenario_config
 
     out = {(section, key): _feature(section, key, value) for section, keys in manifest.variant.items()
            for key, value in keys.items() if key not in TUNING.get(section, ())}
@@ -265,7 +265,7 @@ class Case:
 def crash_record(exc: BaseException, step: int | None) -> dict:
     """The crash as data: type, message, step, traceback, and the reference frames (``model.x.f``),
     innermost last, under "frames" (the scenarios' crash record calls them "seams")."""
-    from harness.scenario import _crash
+    from faultbench.harness.scenario import _crash
 
     record = _crash(exc, step)
     record["frames"] = record.pop("seams")
@@ -294,7 +294,7 @@ class Suite:
     """
 
     def __init__(self, ids, ctx: RunContext):
-        from harness.golden import GoldenRecorder
+        from faultbench.harness.golden import GoldenRecorder
 
         registry = {**all_detectors(), GoldenRecorder.id: GoldenRecorder}
         self.ctx = ctx
@@ -363,7 +363,7 @@ def _attach(suite: Suite, run) -> list:
 
 
 def _train_until(run, suite: Suite, until: int, out: dict, capture=None) -> None:
-    from model.train import next_micro_batches, train_step
+    from faultbench.model.train import next_micro_batches, train_step
 
     run.model.train()
     while run.step < until:
@@ -395,8 +395,8 @@ def run_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str
     a temporary directory. ``capture_dir``: keep the state before every step and every step's batch there
     (``harness.bundle.StepCapture``), for a repro bundle.
     """
-    from faults.inject import injected
-    from faults.registry import load_plugin
+    from faultbench.faults.inject import injected
+    from faultbench.faults.registry import load_plugin
 
     for plugin in case.plugins:
         load_plugin(plugin)
@@ -406,9 +406,9 @@ def run_case(case: Case, golden: dict | None = None, rank: int = 0, workdir: str
 
 
 def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir: str | None = None) -> dict:
-    from model.checkpoint import load_checkpoint, save_checkpoint
-    from model.evaluate import evaluate
-    from model.run import build_run
+    from faultbench.model.checkpoint import load_checkpoint, save_checkpoint
+    from faultbench.model.evaluate import evaluate
+    from faultbench.model.run import build_run
 
     recipe = RECIPES[case.recipe]
     cfg = recipe.config(case.seed)
@@ -421,7 +421,7 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
     handles = []
     capture = None
     if capture_dir is not None:
-        from harness.bundle import StepCapture
+        from faultbench.harness.bundle import StepCapture
 
         capture = StepCapture(Path(capture_dir), rank)
     try:
@@ -493,8 +493,8 @@ def decode(run) -> dict:
     """Greedy decode of the ``DECODE_PROMPTS`` longest validation documents' first tokens, left-padded, with
     the KV cache: {"decoded": (B, DECODE_TOKENS) token lists, "decode_logits": sha1 of every cached step's
     logits}. The model is left in eval mode."""
-    from model.data import collate
-    from model.precision import autocast_context
+    from faultbench.model.data import collate
+    from faultbench.model.precision import autocast_context
 
     prompts = [doc[: 3 + 2 * i] for i, doc in enumerate(sorted(run.corpus.val, key=len)[-DECODE_PROMPTS:])]
     batch = collate(prompts, run.tokenizer.pad_id, "left")
@@ -541,8 +541,8 @@ def run_target_case(case: Case, golden: dict | None = None, rank: int = 0, workd
     """``case`` on its target, in this process (or on this rank): plugins loaded, faults injected around the
     target's ``run_case``; never raises (a crash is recorded). ``capture_dir`` (a repro bundle's steps) is
     passed on only to a target that captures (``Target.captures``)."""
-    from faults.inject import injected
-    from faults.registry import load_plugin
+    from faultbench.faults.inject import injected
+    from faultbench.faults.registry import load_plugin
 
     for plugin in case.plugins:
         load_plugin(plugin)
@@ -586,7 +586,7 @@ def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float 
     all ranks merged, the record of rank 0 otherwise). A rank failure (raise, death, hang) is a crash record."""
     if case.world_size == 1:
         return run_target_case(case, golden, capture_dir=capture_dir)
-    from harness.launch import RankFailure
+    from faultbench.harness.launch import RankFailure
 
     try:
         with tempfile.TemporaryDirectory(prefix="faultbench-case-") as workdir:

@@ -1,4 +1,4 @@
-"""The ``faultbench`` command line (``python -m harness``)."""
+"""The ``faultbench`` command line (``python -m faultbench``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 import torch
 
-from harness.atomic import check_replaceable
-from model.config import PAD_SIDES, PRECISIONS, PRESETS, get_preset
-from model.seams import SUBSYSTEMS
+from faultbench.harness.atomic import check_replaceable
+from faultbench.model.config import PAD_SIDES, PRECISIONS, PRESETS, get_preset
+from faultbench.model.seams import SUBSYSTEMS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,7 +43,7 @@ def _positive_float(text: str) -> float:
 
 def _target_name(text: str) -> str:
     """A target's name (``ref``, ``hf``); an unknown one is refused with the closest name."""
-    import targets
+    from faultbench import targets
 
     try:
         targets.get(text) if text not in targets.names() else None
@@ -54,7 +54,7 @@ def _target_name(text: str) -> str:
 
 def _targets_or_all(text: str) -> tuple[str, ...]:
     """``all`` (every target) or one target's name, as the tuple of targets meant."""
-    import targets
+    from faultbench import targets
 
     return targets.names() if text == "all" else (_target_name(text),)
 
@@ -62,8 +62,8 @@ def _targets_or_all(text: str) -> tuple[str, ...]:
 def _train(args) -> int:
     import os
 
-    from harness.training import train_on_rank, train_reference
-    from model.distributed import init_from_env
+    from faultbench.harness.training import train_on_rank, train_reference
+    from faultbench.model.distributed import init_from_env
 
     torch.set_num_threads(args.threads)
     if args.save:
@@ -92,7 +92,7 @@ def _train(args) -> int:
         if rank != 0:
             return 0
     elif world > 1:
-        from harness.launch import RankPool
+        from faultbench.harness.launch import RankPool
 
         with RankPool(world, start_method="spawn") as pool:  # one case: a pool would not be reused
             summary = pool.run(train_on_rank, cfg.to_dict(), {**common, "log": True}, timeout_s=args.timeout)[0]
@@ -122,8 +122,8 @@ def seam_rows(target: str) -> list[dict]:
     to the installed package's folder: ``transformers/trainer.py``), in table order."""
     import inspect
 
-    import targets
-    from faults.inject import display_path
+    from faultbench import targets
+    from faultbench.faults.inject import display_path
 
     stack = targets.get(target)
     rows = []
@@ -147,14 +147,14 @@ def _seams(args) -> int:
 
 
 def _load_plugins(args) -> None:
-    from faults.registry import load_plugin
+    from faultbench.faults.registry import load_plugin
 
     for plugin in getattr(args, "plugin", None) or ():
         load_plugin(plugin)
 
 
 def _faults(args) -> int:
-    from faults.registry import all_faults
+    from faultbench.faults.registry import all_faults
 
     _load_plugins(args)
     faults = [f for t in args.target for f in all_faults(t).values() if args.subsystem in (None, f.subsystem)]
@@ -168,8 +168,8 @@ def _faults(args) -> int:
 
 
 def _show(args) -> int:
-    from faults.inject import diff
-    from faults.registry import get_fault
+    from faultbench.faults.inject import diff
+    from faultbench.faults.registry import get_fault
 
     _load_plugins(args)
     spec = get_fault(args.fault_id)
@@ -189,8 +189,8 @@ def _show(args) -> int:
 
 
 def _run(args) -> int:
-    from faults.registry import get_fault
-    from harness.faulty_run import compare
+    from faultbench.faults.registry import get_fault
+    from faultbench.harness.faulty_run import compare
 
     torch.set_num_threads(1)
     _load_plugins(args)
@@ -214,7 +214,7 @@ def _run(args) -> int:
     clean, faulty, report = compare(args.fault, variant, args.steps or 100, args.seed, args.world_size,
                                     tuple(args.plugin or ()), args.preset)
     if args.plot:
-        from harness.plot import plot_runs
+        from faultbench.harness.plot import plot_runs
 
         plot_runs({"clean": clean, "faulty": faulty}, args.plot, title=", ".join(args.fault))
         report["plot"] = args.plot
@@ -224,7 +224,7 @@ def _run(args) -> int:
 
 def _print_report(report: dict, as_json: bool) -> None:
     """A clean-vs-faulty report: readable on stdout, or readable on stderr and its JSON object on stdout."""
-    from harness.faulty_run import describe
+    from faultbench.harness.faulty_run import describe
 
     if as_json:
         print(describe(report), file=sys.stderr)
@@ -236,8 +236,8 @@ def _print_report(report: dict, as_json: bool) -> None:
 def _run_target(args, target: str) -> int:
     """Clean vs faulty on another target than the reference: the fault's own proof scenario and variant (its
     manifest), ``--steps``/``--seed`` applied; the reference's config flags do not apply there."""
-    from faults.registry import get_fault
-    from harness.faulty_run import compare_target
+    from faultbench.faults.registry import get_fault
+    from faultbench.harness.faulty_run import compare_target
 
     ignored = [flag for flag, value in (("--precision", args.precision), ("--pad-side", args.pad_side),
                                         ("--accum", args.accum), ("--plot", args.plot)) if value]
@@ -255,8 +255,8 @@ def _run_target(args, target: str) -> int:
 def _run_detectors(args) -> int:
     """The fault in its bench recipe with the detectors: the ranked findings with their evidence, and the
     repro bundle of the top finding."""
-    from harness.bundle import bundle_name
-    from harness.detect import case_recipe, describe_findings, detect
+    from faultbench.harness.bundle import bundle_name
+    from faultbench.harness.detect import case_recipe, describe_findings, detect
 
     bundle = None
     if not args.no_bundle:
@@ -279,7 +279,7 @@ def _run_detectors(args) -> int:
 
 def _replay(args) -> int:
     """Run a repro bundle's case again: the same finding, batch and state, or what differs (exit 1)."""
-    from harness.bundle import describe_replay, replay
+    from faultbench.harness.bundle import describe_replay, replay
 
     torch.set_num_threads(1)
     result = replay(args.bundle)
@@ -292,7 +292,7 @@ def _replay(args) -> int:
 
 
 def _detectors(args) -> int:
-    from detectors.api import all_detectors
+    from faultbench.detectors.api import all_detectors
 
     registry = all_detectors()
     if args.json:
@@ -309,7 +309,7 @@ def _detectors(args) -> int:
 
 def _names_exclusive(names) -> bool:
     """Whether ``--detectors`` names an exclusive detector itself (``all`` leaves them out: each doubles the bench)."""
-    from detectors.api import all_detectors
+    from faultbench.detectors.api import all_detectors
 
     registry = all_detectors()
     return any(n in registry and registry[n].exclusive for n in names)
@@ -318,9 +318,9 @@ def _names_exclusive(names) -> bool:
 def _bench(args) -> int:
     from pathlib import Path
 
-    from detectors.api import all_detectors
-    from harness.bench import BenchConfig, run_bench
-    from harness.report import print_table
+    from faultbench.detectors.api import all_detectors
+    from faultbench.harness.bench import BenchConfig, run_bench
+    from faultbench.harness.report import print_table
 
     seeds = tuple(range(args.seeds or (1 if args.quick else 3)))
     for flag, folder in (("--out", args.out), ("--bundles", args.bundles)):
@@ -336,7 +336,7 @@ def _bench(args) -> int:
                       jobs=args.jobs, out=Path(args.out), use_cache=not args.no_cache, progress=not args.json,
                       bundles=Path(args.bundles) if args.bundles else None, command=tuple(args.command_line))
     if args.fault:
-        from faults.registry import get_fault, load_plugin
+        from faultbench.faults.registry import get_fault, load_plugin
 
         for plugin in cfg.plugins:
             load_plugin(plugin)
@@ -353,8 +353,8 @@ def _bench(args) -> int:
 
 
 def _practice(args) -> int:
-    from harness import practice, practice_session
-    from harness.rubric import rubric
+    from faultbench.harness import practice, practice_session
+    from faultbench.harness.rubric import rubric
 
     torch.set_num_threads(1)
     _load_plugins(args)
@@ -377,7 +377,7 @@ def _practice(args) -> int:
     elif cmd == "report":
         text = practice_session.report(args.dir, keys)
         if args.out:
-            from harness.atomic import write_text
+            from faultbench.harness.atomic import write_text
 
             write_text(args.out, text)
             print(f"session report written to {args.out}")

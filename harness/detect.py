@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import tempfile
 
-import targets
-from detectors.api import all_detectors, rank_key, resolve_ids
-from harness.case import Case, execute, recipe_for
+from faultbench import targets
+from faultbench.detectors.api import all_detectors, rank_key, resolve_ids
+from faultbench.harness.case import Case, execute, recipe_for
 
 
 def detector_groups(ids) -> list[tuple[str, ...]]:
@@ -20,7 +20,7 @@ def detector_groups(ids) -> list[tuple[str, ...]]:
 def case_target(fault_ids) -> str:
     """The target the faults belong to (none: the reference); faults of two targets raise ``ValueError``. An
     unknown fault id raises here, with its "did you mean"."""
-    from faults.registry import get_fault
+    from faultbench.faults.registry import get_fault
 
     stacks = sorted({get_fault(f).target for f in fault_ids}) or ["ref"]
     if len(stacks) > 1:
@@ -31,7 +31,7 @@ def case_target(fault_ids) -> str:
 def case_recipe(fault_ids, recipe: str | None = None) -> str:
     """The recipe of the faults' target they run in: ``recipe`` if given (checked), else the first fault's, else
     fp32."""
-    from faults.registry import get_fault
+    from faultbench.faults.registry import get_fault
 
     target = case_target(fault_ids)
     recipes = targets.get(target).recipes()
@@ -47,9 +47,9 @@ def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None
     """Run the faults (none: clean) in their recipe with the detectors; the case record, with the findings
     of exclusive detectors (run in their own cases) merged into its ranked list. With ``bundle`` (a folder)
     and a finding, the repro bundle of the top finding is written there (``record["bundle"]``)."""
-    from faults.registry import load_plugin
-    from harness.bundle import write_bundle
-    from harness.golden import load_golden
+    from faultbench.faults.registry import load_plugin
+    from faultbench.harness.bundle import write_bundle
+    from faultbench.harness.golden import load_golden
 
     for plugin in plugins:
         load_plugin(plugin)
@@ -62,7 +62,7 @@ def detect(fault_ids=(), seed: int = 0, detectors=("suite",), recipe: str | None
     pool = None
     world_size = stack.recipes()[recipe].world_size
     if world_size > 1:
-        from harness.launch import RankPool
+        from faultbench.harness.launch import RankPool
 
         pool = RankPool(world_size, preload=stack.preload)
     with tempfile.TemporaryDirectory(prefix="faultbench-capture-") as capture:
@@ -102,7 +102,7 @@ def describe_findings(record: dict, limit: int = 20) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m harness.detect FAULT|clean [RECIPE] [SEED]``: print the ranked findings (dev helper)."""
+    """``python -m faultbench.harness.detect FAULT|clean [RECIPE] [SEED]``: print the ranked findings (dev helper)."""
     import sys
 
     import torch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from harness.scenario import Outcome, run_scenario
+from faultbench.harness.scenario import Outcome, run_scenario
 
 
 def compare(fault_ids, variant: dict, steps: int, seed: int, world_size: int = 1, plugins=(),

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from detectors.api import Detector, RunContext
-from harness.atomic import write_text
-from harness.watched import WATCH_HISTORY, WATCH_RECORDER
+from faultbench.detectors.api import Detector, RunContext
+from faultbench.harness.atomic import write_text
+from faultbench.harness.watched import WATCH_HISTORY, WATCH_RECORDER
 
 GOLDEN_SEEDS = (1000, 1001)
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,7 +81,7 @@ class GoldenRecorder(Detector):
 
 def golden_cases(recipes, target: str = "ref") -> list:
     """The clean cases whose traces make the golden entries of ``target``'s ``recipes``."""
-    from harness.case import Case
+    from faultbench.harness.case import Case
 
     return [Case(recipe, seed, detectors=(GoldenRecorder.id, WATCH_RECORDER), target=target) for recipe in recipes
             for seed in GOLDEN_SEEDS]
@@ -103,7 +103,7 @@ def trace_of(record: dict) -> dict:
 
 def digest(target: str = "ref") -> str:
     """The sources ``target``'s clean runs depend on: the reference's, and another target's package too."""
-    from harness.case import source_digest
+    from faultbench.harness.case import source_digest
 
     stack = () if target == "ref" else (f"targets/{target}", "targets/__init__.py")
     # a golden run's envelope for the black-box track is what the watch recorded (faultbench/watch.py)
@@ -115,7 +115,7 @@ def _key(recipe: str, target: str = "ref") -> str:
     """A golden entry belongs to the target's recipe as defined now (a changed step count is another entry)."""
     import hashlib
 
-    import targets
+    from faultbench import targets
 
     definition = repr(targets.get(target).recipes()[recipe])
     return f"{target}/{recipe}-{hashlib.sha1(definition.encode()).hexdigest()[:8]}"
@@ -127,7 +127,7 @@ def load_golden(recipes, pool=None, run_cases=None, target: str = "ref") -> dict
     ``run_cases(cases) -> records`` runs the missing golden cases (the bench runs them in parallel);
     by default they run one after the other here (on ``pool`` for the data-parallel recipes).
     """
-    from harness.case import execute
+    from faultbench.harness.case import execute
 
     path = CACHE / f"{target}-{digest(target)}.json"
     golden = json.loads(path.read_text()) if path.exists() else {}

@@ -38,8 +38,8 @@ def _inject_from_env() -> None:
     ids = [f for f in os.environ.get(INJECT_ENV, "").split(",") if f]
     if not ids:
         return
-    from faults.inject import injected
-    from faults.registry import load_plugin
+    from faultbench.faults.inject import injected
+    from faultbench.faults.registry import load_plugin
 
     for plugin in filter(None, os.environ.get(PLUGINS_ENV, "").split(os.pathsep)):
         load_plugin(plugin)
@@ -78,7 +78,8 @@ class RankPool:
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # workers fork from a server that has already imported the training stack
-            self._ctx.set_forkserver_preload(["torch", "model.run", "model.train", "model.checkpoint", *preload])
+            self._ctx.set_forkserver_preload(["torch", "faultbench.model.run", "faultbench.model.train",
+                                              "faultbench.model.checkpoint", *preload])
         self._procs: list = []
 
     def _start(self, timeout_s: float) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from faults.registry import get_fault
-from harness.scenario import Outcome, run_scenario
+from faultbench.faults.registry import get_fault
+from faultbench.harness.scenario import Outcome, run_scenario
 
 
 def _pairs(check=None, *, crash_is_evidence: bool = False):

@@ -1,6 +1,7 @@
 """Mutation score: run each target's clean-guarantee tests once per fault of it, injected; which do they kill?
 
-    python -m harness.mutation [--tests "tests/model tests/distributed"] [--out results/mutation.md] [--fault ID ...]
+    python -m faultbench.harness.mutation [--tests "tests/model tests/distributed"] [--out results/mutation.md]
+                                      [--fault ID ...]
 
 A fault is run against the tests of its own target (``Target.clean_guarantees``: the reference's
 tests/model and tests/distributed modules, the HF target's tests/hf modules); ``--tests`` overrides that
@@ -20,9 +21,9 @@ import subprocess
 import sys
 import time
 
-import targets
-from faults.registry import all_faults
-from harness.atomic import write_text
+from faultbench import targets
+from faultbench.faults.registry import all_faults
+from faultbench.harness.atomic import write_text
 
 
 def guarantee_tests(target: str) -> str:
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     lines = [
         "# Mutation score of the unit tests",
         "",
-        "`python -m harness.mutation` (`make mutation`): each fault's target's clean-guarantee tests "
+        "`python -m faultbench.harness.mutation` (`make mutation`): each fault's target's clean-guarantee tests "
         f"({'`' + args.tests + '`' if args.tests else 'ref: tests/model, tests/distributed; hf: tests/hf'}) run "
         "once per fault, injected with `pytest --inject-fault ID`. A fault is *killed* when the suite fails (a "
         "timeout counts as killed).",

@@ -30,13 +30,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from faults.registry import all_faults, get_fault
-from harness.atomic import write_text
-from harness.exercise_check import parse_log
-from harness.exercise_docs import exercise_docstring
-from harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
-from harness.practice_runs import reference_cached, run_train, train_args
-from model.seams import SEAMS, SUBSYSTEMS
+from faultbench.faults.registry import all_faults, get_fault
+from faultbench.harness.atomic import write_text
+from faultbench.harness.exercise_check import parse_log
+from faultbench.harness.exercise_docs import exercise_docstring
+from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
+from faultbench.harness.practice_runs import reference_cached, run_train, train_args
+from faultbench.model.seams import SEAMS, SUBSYSTEMS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -127,7 +127,7 @@ def _author_docstrings(folder: Path, spec) -> None:
     """Each replaced function of the copy gets the docstring ``exercise_docstring`` gives it."""
     import inspect
 
-    from model.seams import resolve
+    from faultbench.model.seams import resolve
 
     for seam in spec.seams:
         _, module, qualname = seam.split(".", 2)
@@ -139,7 +139,7 @@ def _author_docstrings(folder: Path, spec) -> None:
 def build_folder(directory, fault_id: str) -> Path:
     """The exercise's code, no run yet: ``model/`` with the fault spliced in and its author's docstrings,
     ``train.py`` and ``check.py``. ``directory`` must not exist or be empty."""
-    from faults.inject import render_tree
+    from faultbench.faults.inject import render_tree
 
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
@@ -333,7 +333,7 @@ def answer(directory, subsystem: str, seam: str | None = None, keys=None, clock:
 
 
 def reveal(directory, keys=None, clock: Clock = time.time) -> str:
-    from faults.inject import diff
+    from faultbench.faults.inject import diff
 
     key, path = load_key(directory, keys)
     spec = get_fault(key["fault"])
@@ -352,8 +352,8 @@ def check(directory, keys=None, clock: Clock = time.time, strict: bool = True) -
     edit check.py and healthy_run.json); if it behaves and ``strict``, the fault's scenario on the copy
     against the reference (probe metrics the log does not show). {"code": 0 repaired | 1 not | 2 cannot
     run, "problems": [...]}; never names the fault."""
-    from harness.exercise_check import unrunnable, verdict
-    from harness.practice_runs import reference_outcome, repair_problems, scenario_outcome
+    from faultbench.harness.exercise_check import unrunnable, verdict
+    from faultbench.harness.practice_runs import reference_outcome, repair_problems, scenario_outcome
 
     key, path = load_key(directory, keys)
     folder = Path(directory).resolve()

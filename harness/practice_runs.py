@@ -19,7 +19,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from harness.atomic import write_text
+from faultbench.harness.atomic import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_TIMEOUT_S = 600.0  # a colleague's train.py run that takes longer hangs
@@ -55,7 +55,7 @@ def train_args(manifest) -> list[str]:
 def reference_cached(kind: str, key: dict, sources: tuple[str, ...], compute):
     """What the clean reference does for ``key``, computed once per key and digest of ``sources`` and kept
     under .cache/practice-reference/ (every exercise of the same config compares with the same run)."""
-    from harness.case import source_digest
+    from faultbench.harness.case import source_digest
 
     blob = json.dumps({"key": key, "code": source_digest(*sources)}, sort_keys=True)
     path = ROOT / ".cache" / "practice-reference" / kind / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
@@ -96,10 +96,27 @@ def run_train(script: Path, cwd: Path, args: list[str], pythonpath: Path) -> tup
 
 def _fresh_project_modules(root: str) -> None:
     """In a forked child: forget the project's modules and put ``root`` first on the path, so that ``model``
-    (and whatever imports it) is imported again, from ``root``."""
-    for name in [m for m in sys.modules if m.split(".")[0] in ("model", "faults", "harness", "detectors")]:
+    (a candidate's script imports it top level) and ``faultbench.model`` (the harness's scenario imports it)
+    are imported again, from ``root`` (see ``faultbench_with_model``)."""
+    shim = faultbench_with_model(root)
+    for name in [m for m in sys.modules if m.split(".")[0] in ("model", "faultbench")]:
         del sys.modules[name]
-    sys.path.insert(0, root)
+    sys.path[:0] = [shim, root]
+
+
+def faultbench_with_model(root) -> str:
+    """A folder holding a ``faultbench`` package that is this one but for its ``model``, found first under
+    ``root`` (a candidate's copy): first on the path of a scenario run on the copy and of its rank processes.
+    Its ``__init__`` runs the installed one's with the copy's folder first in ``__path__``."""
+    import faultbench
+
+    folder = ROOT / ".cache" / "practice-shims" / hashlib.sha256(str(root).encode()).hexdigest()[:20]
+    search = [str(root), *(p for p in faultbench.__path__ if p != str(root)), str(ROOT)]
+    init = faultbench.__file__
+    write_text(folder / "faultbench" / "__init__.py",
+               f"__path__ = {search!r}  # the copy's model first, then the installed package's folders\n"
+               f"exec(compile(open({init!r}).read(), {init!r}, 'exec'))\n")
+    return str(folder)
 
 
 def _forked(target, args: tuple, timeout_s: float) -> int | None:
@@ -151,7 +168,7 @@ def _scenario_in_fork(root: str, manifest_args: tuple, out: str) -> None:
     try:
         import torch
 
-        from harness.scenario import run_scenario
+        from faultbench.harness.scenario import run_scenario
 
         torch.set_num_threads(1)
         result = {"outcome": run_scenario(*manifest_args).to_dict()}
@@ -170,8 +187,9 @@ def scenario_outcome(model_root: Path, manifest, timeout_s: float = 600.0) -> di
     interpreter, whose rank processes must import the copy too."""
     args = (manifest.scenario, manifest.variant, manifest.steps, manifest.seeds[0])
     if manifest.scenario.startswith("ddp"):
-        proc = _fresh_interpreter(["-m", "harness.scenario", args[0], str(args[2]), str(args[3]), json.dumps(args[1])],
-                                  model_root, f"{model_root}{os.pathsep}{ROOT}", timeout_s)
+        proc = _fresh_interpreter(["-m", "faultbench.harness.scenario", args[0], str(args[2]), str(args[3]),
+                                   json.dumps(args[1])],
+                                  model_root, f"{faultbench_with_model(model_root)}{os.pathsep}{model_root}", timeout_s)
         if proc is None:
             raise RuntimeError(f"the scenario did not finish within {timeout_s:.0f} s (it hangs)")
         if proc.returncode != 0:
@@ -202,8 +220,8 @@ def repair_problems(edited: dict, clean: dict, manifest) -> list[str]:
     """How the edited copy's outcome still differs from the clean reference's on the same scenario: a crash
     where there is none, other losses (1e-5), other probe metrics (1e-4 relative), or the symptom the fault's
     manifest checks for. Empty when the copy behaves like the reference. Never names the fault."""
-    from harness.manifest import CHECKS
-    from harness.scenario import Outcome
+    from faultbench.harness.manifest import CHECKS
+    from faultbench.harness.scenario import Outcome
 
     problems = []
     if bool(edited["crash"]) != bool(clean["crash"]):

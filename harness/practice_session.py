@@ -11,8 +11,8 @@ import json
 import time
 from pathlib import Path
 
-from faults.registry import get_fault
-from harness.practice import Clock, keys_dir, load_key, record
+from faultbench.faults.registry import get_fault
+from faultbench.harness.practice import Clock, keys_dir, load_key, record
 
 
 def start(directory, minutes: float, keys=None, clock: Clock = time.time) -> dict:

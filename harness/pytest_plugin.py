@@ -30,7 +30,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     """Load the ``--fault-plugin`` plugins before collection (so tests parametrized over the registry, the
     manifest proofs among them, cover their faults too), then inject the ``--inject-fault`` faults."""
-    from faults.registry import FaultError, get_fault, load_plugin
+    from faultbench.faults.registry import FaultError, get_fault, load_plugin
 
     plugins = config.getoption("fault_plugin")
     ids = config.getoption("inject_fault")
@@ -42,15 +42,15 @@ def pytest_configure(config):
         raise pytest.UsageError(str(e)) from None
     if not ids:
         return
-    import targets
-    from faults.inject import injected
+    from faultbench import targets
+    from faultbench.faults.inject import injected
 
     for stack in stacks:  # each target's import-time set-up (the HF stack forbids hub access) before injecting
         targets.get(stack)
 
     _stack.enter_context(injected(*ids))
     # rank workers started by this session (harness.launch.RankPool) inject the same faults
-    from harness.launch import INJECT_ENV, PLUGINS_ENV
+    from faultbench.harness.launch import INJECT_ENV, PLUGINS_ENV
 
     _stack.enter_context(_env({INJECT_ENV: ",".join(ids), PLUGINS_ENV: os.pathsep.join(plugins)}))
 

@@ -16,8 +16,8 @@ import io
 import json
 from pathlib import Path
 
-from harness.atomic import write_bytes, write_text
-from harness.score import BLACKBOX, SUITE
+from faultbench.harness.atomic import write_bytes, write_text
+from faultbench.harness.score import BLACKBOX, SUITE
 
 COLUMNS = ("case", "target", "fault", "recipe", "seed", "detector", "detected", "findings", "first_step", "latency",
            "top1_subsystem", "top3_subsystem", "rr_subsystem", "top1_seam", "top3_seam", "rr_seam",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from faults.registry import get_fault
-from harness.practice_level import difficulty, localizing_detectors, symptom_class
+from faultbench.faults.registry import get_fault
+from faultbench.harness.practice_level import difficulty, localizing_detectors, symptom_class
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 TIME_BUDGET_MIN = {"easy": 20, "medium": 35, "hard": 50}

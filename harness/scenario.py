@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-import targets
-from faults.inject import injected
-from model.config import RunConfig, get_preset
+from faultbench import targets
+from faultbench.faults.inject import injected
+from faultbench.model.config import RunConfig, get_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,9 +92,9 @@ def scenario_config(variant: dict, steps: int, seed: int, preset: str = "tiny") 
 
 def _train(cfg: RunConfig, out: Outcome, until: int | None = None, run=None):
     """Train (a fresh run unless given) to ``until``; fill ``out``; return the run (None if it crashed)."""
-    from model.evaluate import evaluate
-    from model.run import build_run
-    from model.train import train
+    from faultbench.model.evaluate import evaluate
+    from faultbench.model.run import build_run
+    from faultbench.model.train import train
 
     step = 0
     try:
@@ -161,8 +161,8 @@ def _scenario_train(cfg: RunConfig, steps: int) -> Outcome:
 
 
 def _scenario_resume(cfg: RunConfig, steps: int) -> Outcome:
-    from model.checkpoint import load_checkpoint, save_checkpoint
-    from model.run import build_run
+    from faultbench.model.checkpoint import load_checkpoint, save_checkpoint
+    from faultbench.model.run import build_run
 
     whole = Outcome()
     _train(cfg, whole)
@@ -196,7 +196,7 @@ def _resume_gaps(whole_losses: list[float], resumed_losses: list[float], whole_v
 
 
 def _scenario_generate(cfg: RunConfig, steps: int) -> Outcome:
-    from model.data import collate
+    from faultbench.model.data import collate
 
     out = Outcome()
     run = _train(cfg, out)
@@ -247,7 +247,7 @@ def _run_ranks(pool, cfg: RunConfig, fault_ids, plugins, **train_kwargs) -> tupl
 
 def _scenario_ddp(cfg: RunConfig, steps: int, fault_ids: tuple[str, ...], plugins: tuple[str, ...], pool,
                   resume: bool = False) -> Outcome:
-    from harness.launch import RankFailure, RankPool
+    from faultbench.harness.launch import RankFailure, RankPool
 
     out = Outcome()
     cfg = cfg.replace(train={"world_size": 2})
@@ -299,9 +299,9 @@ def ddp_case(rank: int, cfg_dict: dict, fault_ids: tuple[str, ...], plugins: tup
     """
     import hashlib
 
-    from faults.registry import load_plugin
-    from harness.training import train_reference
-    from model.gpt import GPT
+    from faultbench.faults.registry import load_plugin
+    from faultbench.harness.training import train_reference
+    from faultbench.model.gpt import GPT
 
     for plugin in plugins:
         load_plugin(plugin)
@@ -337,11 +337,11 @@ def run_scenario(scenario: str, variant: dict, steps: int, seed: int, fault_ids=
 def target_scenario_on_rank(rank: int, target: str, scenario: str, variant: dict, steps: int, seed: int,
                             fault_ids: tuple, plugins: tuple, workdir: str | None = None) -> dict:
     """A target's scenario on this process (a ``RankPool`` rank, or the caller's), faults injected here."""
-    from faults.registry import load_plugin
+    from faultbench.faults.registry import load_plugin
 
     for plugin in plugins:
         load_plugin(plugin)
-    module = importlib.import_module(f"targets.{target}.scenario")
+    module = importlib.import_module(f"faultbench.targets.{target}.scenario")
     random.seed(seed)
     with injected(*fault_ids):
         return module.run_scenario(scenario, variant, steps, seed, rank, workdir)
@@ -353,7 +353,7 @@ def _target_scenario(target: str, scenario: str, variant: dict, steps: int, seed
     targets.get(target)  # the target's import-time set-up (HF: no hub access) before anything else of it
     if scenario != "ddp":
         return Outcome(**target_scenario_on_rank(0, target, scenario, variant, steps, seed, fault_ids, plugins))
-    from harness.launch import RankFailure, RankPool
+    from faultbench.harness.launch import RankFailure, RankPool
 
     own_pool = pool is None
     pool = pool or RankPool(2)
@@ -372,7 +372,7 @@ def _target_scenario(target: str, scenario: str, variant: dict, steps: int, seed
 
 
 def main(argv=None) -> int:
-    """``python -m harness.scenario SCENARIO STEPS SEED VARIANT_JSON``: one clean case, Outcome as JSON.
+    """``python -m faultbench.harness.scenario SCENARIO STEPS SEED VARIANT_JSON``: one clean case, Outcome as JSON.
 
     Used to run a spliced copy of ``model/`` (put first on PYTHONPATH) with no injection machinery.
     """

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 
-import targets
+from faultbench import targets
 
 SUITE = "suite"  # the white-box track's suite: the union of its non-baseline detectors
 BLACKBOX = "blackbox"  # the black-box track's suite (detectors that see the loop only through faultbench.watch)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 import time
 
-from model.checkpoint import load_checkpoint, save_checkpoint
-from model.config import RunConfig
-from model.evaluate import evaluate
-from model.run import build_run
-from model.train import train
+from faultbench.model.checkpoint import load_checkpoint, save_checkpoint
+from faultbench.model.config import RunConfig
+from faultbench.model.evaluate import evaluate
+from faultbench.model.run import build_run
+from faultbench.model.train import train
 
 
 def train_reference(cfg: RunConfig, rank: int = 0, until: int | None = None, save=None, resume=None,

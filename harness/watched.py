@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from detectors.api import all_detectors, rank_key
+from faultbench.detectors.api import all_detectors, rank_key
 
 WATCH_HISTORY = "watch_history"  # a case record's summaries key: the StepRecords its watches took
 WATCH_RECORDER = "watch_recorder"  # a golden case's pseudo detector: a watch with no detector, recording only

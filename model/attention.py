@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelConfig
-from model.rope import apply_rope
+from .config import ModelConfig
+from .rope import apply_rope
 
 
 def build_attention_mask(attention_mask: torch.Tensor, query_len: int, dtype: torch.dtype) -> torch.Tensor | None:

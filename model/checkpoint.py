@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model.train import StepRecord
+from .train import StepRecord
 
 FORMAT = 1
 

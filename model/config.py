@@ -151,7 +151,7 @@ class RunConfig:
         if not self.data.truncate:
             # Without truncation every document must fit the position table. A byte-level token spans
             # at least one character, so characters + BOS + EOS bound a document's token count.
-            from model.corpus import longest_document_chars
+            from .corpus import longest_document_chars
 
             bound = longest_document_chars(self.data) + 2
             _require(

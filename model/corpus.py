@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from model.config import DataConfig
+from .config import DataConfig
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"

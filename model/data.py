@@ -14,10 +14,10 @@ from functools import lru_cache
 
 import torch
 
-from model.config import DataConfig
-from model.corpus import MarkovSource, split_of
-from model.rope import position_ids_from_mask
-from model.tokenizer import Tokenizer, load_or_train_tokenizer
+from .config import DataConfig
+from .corpus import MarkovSource, split_of
+from .rope import position_ids_from_mask
+from .tokenizer import Tokenizer, load_or_train_tokenizer
 
 IGNORE_INDEX = -100
 

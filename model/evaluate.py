@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from model.data import collate
-from model.loss import count_targets, lm_loss
-from model.precision import autocast_context
+from .data import collate
+from .loss import count_targets, lm_loss
+from .precision import autocast_context
 
 
 @torch.no_grad()

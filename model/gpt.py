@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
-from model.attention import CausalSelfAttention, build_attention_mask
-from model.config import ModelConfig
-from model.rope import position_ids_from_mask, rope_at, rope_tables
+from .attention import CausalSelfAttention, build_attention_mask
+from .config import ModelConfig
+from .rope import position_ids_from_mask, rope_at, rope_tables
 
 
 class KVCache:

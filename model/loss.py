@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.data import IGNORE_INDEX
+from .data import IGNORE_INDEX
 
 
 def count_targets(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from model.config import TrainConfig
+from .config import TrainConfig
 
 
 def configure_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

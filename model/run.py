@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from model.config import RunConfig
-from model.data import Corpus, load_corpus
-from model.distributed import rank_seed, world_size, wrap_model
-from model.gpt import GPT
-from model.optim import configure_optimizer, make_scheduler
-from model.precision import make_grad_scaler
-from model.sampler import ResumableSampler
-from model.tokenizer import Tokenizer
+from .config import RunConfig
+from .data import Corpus, load_corpus
+from .distributed import rank_seed, world_size, wrap_model
+from .gpt import GPT
+from .optim import configure_optimizer, make_scheduler
+from .precision import make_grad_scaler
+from .sampler import ResumableSampler
+from .tokenizer import Tokenizer
 
 
 def seed_everything(seed: int) -> None:

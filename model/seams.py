@@ -6,7 +6,9 @@ table is the localization vocabulary: a diagnosis names a subsystem and, ideally
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import inspect
 import os
 from dataclasses import dataclass
@@ -88,13 +90,29 @@ class Seam:
         return {"name": self.name, "subsystem": self.subsystem, "file": self.file, "line": self.line}
 
 
+# the package this one is installed under (the project's namespace); empty where ``model`` is a top-level copy
+_HOME = __package__.rpartition(".")[0]
+
+
+def live_module(name: str) -> str:
+    """The importable name of a module a seam names. Seams keep their logical names (``model.data``,
+    ``targets.hf.data``), whose packages are installed under the home package (``<home>.model.data``);
+    another stack's modules (``transformers.trainer``) and a top-level copy's are importable as named."""
+    return f"{_HOME}.{name}" if _HOME and _is_home_package(name.partition(".")[0]) else name
+
+
+@functools.cache
+def _is_home_package(head: str) -> bool:
+    return importlib.util.find_spec(f"{_HOME}.{head}") is not None
+
+
 def resolve(name: str):
     """The function object a seam name designates (raises ``ValueError`` for an unknown name)."""
     parts = name.split(".")
     for split in range(len(parts) - 1, 0, -1):  # longest importable module prefix
         module_name, attr_path = ".".join(parts[:split]), parts[split:]
         try:
-            obj = importlib.import_module(module_name)
+            obj = importlib.import_module(live_module(module_name))
         except ModuleNotFoundError:
             continue
         try:

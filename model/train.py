@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from model.data import collate
-from model.distributed import global_target_count, grad_sync_context, mean_over_ranks
-from model.loss import count_targets, lm_loss
-from model.precision import autocast_context
+from .data import collate
+from .distributed import global_target_count, grad_sync_context, mean_over_ranks
+from .loss import count_targets, lm_loss
+from .precision import autocast_context
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A peer tool's cost, measured side by side: the same clean case with and without the tool, interleaved.
 
-    python -m peers.overhead TOOL [--recipes fp32 accum left_pad] [--repeats 3] [--out results/peers]
+    python -m faultbench.peers.overhead TOOL [--recipes fp32 accum left_pad] [--repeats 3] [--out results/peers]
 
 TOOL is a plugin detector (``torcheck``, ``smdebug``: its module ``peers.<tool>_peer`` is loaded) or
 ``traincheck``. A plugin peer runs in this process through ``harness.case.run_case``, the plain case
@@ -22,16 +22,16 @@ from pathlib import Path
 
 import torch
 
-from harness.atomic import write_text
+from faultbench.harness.atomic import write_text
 
 ROOT = Path(__file__).resolve().parent.parent
-PLUGINS = {"torcheck": "peers.torcheck_peer", "smdebug": "peers.smdebug_peer"}
+PLUGINS = {"torcheck": "faultbench.peers.torcheck_peer", "smdebug": "faultbench.peers.smdebug_peer"}
 
 
 def _plugin_pair(tool: str, recipe: str):
     """(plain, with the tool): each a function returning one clean case's seconds per training step."""
-    from faults.registry import load_plugin
-    from harness.case import Case, run_case
+    from faultbench.faults.registry import load_plugin
+    from faultbench.harness.case import Case, run_case
 
     load_plugin(PLUGINS[tool])
 
@@ -47,8 +47,8 @@ def _plugin_pair(tool: str, recipe: str):
 
 
 def _traincheck_pair(recipe: str):
-    from harness.case import RECIPES
-    from peers.traincheck_peer import CASE_SCRIPT, _env, collect, golden_invariants, invariants_digest
+    from faultbench.harness.case import RECIPES
+    from faultbench.peers.traincheck_peer import CASE_SCRIPT, _env, collect, golden_invariants, invariants_digest
 
     invariants = golden_invariants(recipe, invariants_digest())
     case = {"recipe": recipe, "seed": 0, "faults": []}

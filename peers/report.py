@@ -6,7 +6,7 @@ anomaly-mode baseline and each peer from results/peers/<tool>/bench.csv (``make 
 are matched by name (fault/recipe/seed), so a tool's overhead is its case's training time over the same
 case's time without any tool (the suite's run minus its step hooks, which is the plain run's time).
 
-``python -m peers.report [--results results]``
+``python -m faultbench.peers.report [--results results]``
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.atomic import write_text
-from harness.score import BLACKBOX, SUITE, aggregate, exclusive_overhead
+from faultbench.harness.atomic import write_text
+from faultbench.harness.score import BLACKBOX, SUITE, aggregate, exclusive_overhead
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -167,7 +167,8 @@ def render(results: Path) -> str:
     lines = [
         "# Peer tools on the same cases",
         "",
-        "Written by `make bench-peers` (`python -m peers.report`). Every tool ran on the same cases: each of the "
+        "Written by `make bench-peers` (`python -m faultbench.peers.report`). Every tool ran on the same cases: each "
+        "of the "
         "faults in the recipe its manifest points to, seeds 0, 1, 2, plus the clean matrix (every recipe x the same "
         "seeds) for false positives, scored by the same code as the leaderboard (`harness/score.py`). Our suite "
         "comes from results/bench.csv; anomaly mode and each peer from results/peers/<tool>/bench.csv.",
@@ -185,7 +186,8 @@ def render(results: Path) -> str:
     lines += ["", "Overhead, always from one run: our suite shares the run, so its figure is the step time with its "
               "hooks over the step time without them (the bench's accounting; `make perf` measures it end to end); "
               "anomaly mode's is its case's training time over the same case run without it in the same bench; each "
-              "peer's comes from `python -m peers.overhead TOOL`: the clean fp32, accum and left_pad cases with and "
+              "peer's comes from `python -m faultbench.peers.overhead TOOL`: the clean fp32, accum and left_pad cases "
+              "with and "
               "without the tool, interleaved, median time per step (results/peers/<tool>/overhead.json).", ""]
     if missing:
         lines += ["Not scored (no results): " + ", ".join(f"{t.name} (`{t.csv}` is missing)" for t in missing), ""]

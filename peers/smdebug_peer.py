@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from detectors.api import Detector, RunContext, register
-from peers.torcheck_peer import shared_seam
+from faultbench.detectors.api import Detector, RunContext, register
+from faultbench.peers.torcheck_peer import shared_seam
 
 AMP = ("fp16", "bf16")
 LOSS_NAME = "lm_loss"  # recorded as "lm_loss_output_0", which the losses collection's regex matches

@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from detectors.api import Detector, RunContext, register
+from faultbench.detectors.api import Detector, RunContext, register
 
 MODEL_NAME = "model"  # the module_name torcheck's messages use for the whole model
 AMP = ("fp16", "bf16")
@@ -69,6 +69,13 @@ def parse_issues(text: str) -> list[Issue]:
     return list(dict.fromkeys(issues))
 
 
+def seam_named(name: str, seams: dict[str, str]) -> str | None:
+    """The seam a live qualified name is: itself, or the seam it ends with when its package is installed
+    under another (``faultbench.model.gpt.Block.forward`` is the seam ``model.gpt.Block.forward``)."""
+    parts = name.split(".")
+    return next((s for s in (".".join(parts[i:]) for i in range(len(parts))) if s in seams), None)
+
+
 def module_seam(model, module_name: str, seams: dict[str, str]) -> str | None:
     """The seam of the innermost module on the path to ``module_name`` (``""``: the root) whose class's
     ``forward`` is a seam of the run; None when no module on the path is one."""
@@ -78,8 +85,7 @@ def module_seam(model, module_name: str, seams: dict[str, str]) -> str | None:
         if module is None:
             break
         cls = type(module)
-        name = f"{cls.__module__}.{cls.__qualname__}.forward"
-        found = name if name in seams else found
+        found = seam_named(f"{cls.__module__}.{cls.__qualname__}.forward", seams) or found
     return found
 
 

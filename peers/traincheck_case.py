@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from faults.inject import injected
-from harness.case import EVAL_DOCS, RECIPES, Case, crash_record, empty_record
-from model import checkpoint, evaluate, train
-from model import run as run_module
+from faultbench.faults.inject import injected
+from faultbench.harness.case import EVAL_DOCS, RECIPES, Case, crash_record, empty_record
+from faultbench.model import checkpoint, evaluate, train
+from faultbench.model import run as run_module
 
 
 def train_one_step(run) -> dict:

@@ -116,7 +116,7 @@ def api_subsystem(api: str | None) -> str:
 @functools.cache
 def _seam_lines(seam: str) -> range | None:
     """The source lines of a seam's definition (None if it cannot be found)."""
-    from model.seams import resolve
+    from faultbench.model.seams import resolve
 
     try:
         lines, start = inspect.getsourcelines(inspect.unwrap(resolve(seam)))
@@ -182,7 +182,7 @@ def violation_finding(violation: dict, seams: dict[str, str], root: Path = ROOT)
 
 def findings_for(violations: list[dict], seams: dict[str, str], root: Path = ROOT) -> list[dict]:
     """Every violation as a finding, ranked like the bench ranks findings (confidence, then step)."""
-    from detectors.api import rank_key
+    from faultbench.detectors.api import rank_key
 
     return sorted((violation_finding(v, seams, root) for v in violations), key=rank_key)
 
@@ -254,8 +254,8 @@ def _invariant_key(inv: dict) -> str:
 
 def golden_invariants(recipe: str, digest: str) -> Path:
     """The validated invariants of a recipe (cached): steps 1-3 of the module docstring."""
-    from harness.atomic import write_text
-    from harness.case import RECIPES
+    from faultbench.harness.atomic import write_text
+    from faultbench.harness.case import RECIPES
 
     path = CACHE / f"invariants-{recipe}-{digest}.json"
     if path.exists():
@@ -294,7 +294,7 @@ def golden_invariants(recipe: str, digest: str) -> Path:
 
 def unsupported(recipe: str) -> str | None:
     """Why TrainCheck cannot run a recipe here (None: it can)."""
-    from harness.case import RECIPES
+    from faultbench.harness.case import RECIPES
 
     if RECIPES[recipe].world_size > 1:
         return "not run: traincheck-collect instruments one script process, not the bench's 2-rank worker pool"
@@ -304,7 +304,7 @@ def unsupported(recipe: str) -> str | None:
 def run_case(case, invariants: Path) -> dict:
     """One case collected and checked; its record in the bench's format with TrainCheck's raw violations
     under "violations" and no findings yet (``with_findings`` maps them); never raises."""
-    from harness.case import RECIPES, empty_record, failed_record
+    from faultbench.harness.case import RECIPES, empty_record, failed_record
 
     start = time.perf_counter()
     case_dict = case.to_dict()
@@ -330,15 +330,15 @@ def run_case(case, invariants: Path) -> dict:
 
 
 def unsupported_record(case, reason: str) -> dict:
-    from harness.case import empty_record
+    from faultbench.harness.case import empty_record
 
     return {**empty_record(case), "detector_errors": {TOOL: reason}}
 
 
 def build_cases(seeds, fault_ids=None) -> tuple[list, dict[str, dict]]:
     """The bench's matrix with TrainCheck as the only detector, and the faults' metadata (the answer key)."""
-    from faults.registry import all_faults, get_fault
-    from harness.case import RECIPES, Case, recipe_for
+    from faultbench.faults.registry import all_faults, get_fault
+    from faultbench.harness.case import RECIPES, Case, recipe_for
 
     specs = dict(all_faults()) if fault_ids is None else {f: get_fault(f) for f in fault_ids}  # "did you mean"
     cases = []
@@ -350,7 +350,7 @@ def build_cases(seeds, fault_ids=None) -> tuple[list, dict[str, dict]]:
 
 def code_digest() -> str:
     """What a case's TrainCheck output depends on (the mapping is applied on load, so it is not part of it)."""
-    from harness.case import source_digest
+    from faultbench.harness.case import source_digest
 
     blob = f"{source_digest('model', 'faults', 'peers/traincheck_case.py')}/{SETTINGS}"
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -358,22 +358,22 @@ def code_digest() -> str:
 
 def invariants_digest() -> str:
     """What a recipe's invariants depend on: the reference and the settings."""
-    from harness.case import source_digest
+    from faultbench.harness.case import source_digest
 
     return hashlib.sha256(f"{source_digest('model')}/{SETTINGS}".encode()).hexdigest()[:16]
 
 
 def with_findings(record: dict) -> dict:
     """The record with its violations mapped to ranked findings (the bench's "findings")."""
-    from model.seams import SEAMS
+    from faultbench.model.seams import SEAMS
 
     return {**record, "findings": findings_for(record.get("violations", []), SEAMS)}
 
 
 def run_matrix(cases: list, jobs: int, use_cache: bool = True, progress=print) -> list[dict]:
     """Every case's record (cached ones reused), ``jobs`` cases at a time; invariants first, per recipe."""
-    from harness.atomic import write_text
-    from harness.case import case_hash, failed_record
+    from faultbench.harness.atomic import write_text
+    from faultbench.harness.case import case_hash, failed_record
 
     inv_digest = invariants_digest()
     digest = code_digest()
@@ -417,9 +417,9 @@ def run_matrix(cases: list, jobs: int, use_cache: bool = True, progress=print) -
 
 def write_results(records: list[dict], faults: dict[str, dict], out: Path, seeds, wall_s: float) -> dict:
     """bench.csv (one row per case) and summary.json under ``out``, atomically; the summary."""
-    from harness.atomic import write_text
-    from harness.report import write_csv
-    from harness.score import aggregate, case_rows
+    from faultbench.harness.atomic import write_text
+    from faultbench.harness.report import write_csv
+    from faultbench.harness.score import aggregate, case_rows
 
     rows = [row for record in records for row in case_rows(record, faults, suite_ids=[])]
     scores = aggregate(rows, {TOOL: False})  # TrainCheck's cost is its own runs, not hooks: see "timings"
@@ -448,7 +448,8 @@ def write_results(records: list[dict], faults: dict[str, dict], out: Path, seeds
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m peers.traincheck_peer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m faultbench.peers.traincheck_peer",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
     parser.add_argument("--faults", nargs="+", default=None, help="fault ids (default: every registered fault)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "peers" / "traincheck")

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # name -> module defining TARGET; a third stack (e.g. Lightning) adds one line here and one package
-_MODULES = {"ref": "targets.ref", "hf": "targets.hf"}
+_MODULES = {"ref": "faultbench.targets.ref", "hf": "faultbench.targets.hf"}
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from model import seams as _seams
-from targets import Target
+from faultbench.model import seams as _seams
+from faultbench.targets import Target
 
 
 def _recipes() -> dict:
-    from harness.case import RECIPES
+    from faultbench.harness.case import RECIPES
 
     return RECIPES
 
@@ -15,7 +15,7 @@ def _recipes() -> dict:
 def _run_case(recipe: str, seed: int, detectors=(), golden: dict | None = None, rank: int = 0,
               workdir: str | None = None, capture_dir: str | None = None) -> dict:
     """``harness.case.run_case`` of a case without faults (the caller injects them around this call)."""
-    from harness.case import Case, run_case
+    from faultbench.harness.case import Case, run_case
 
     record = run_case(Case(recipe, seed, (), tuple(detectors)), golden, rank, workdir, capture_dir)
     record["case"]["target"] = "ref"
@@ -24,9 +24,9 @@ def _run_case(recipe: str, seed: int, detectors=(), golden: dict | None = None, 
 
 def _warm_up(recipe: str) -> None:
     """One optimizer step of the recipe (the first optimizer imports torch._dynamo: 1.4 s per process)."""
-    from harness.case import RECIPES
-    from model.run import build_run
-    from model.train import next_micro_batches, train_step
+    from faultbench.harness.case import RECIPES
+    from faultbench.model.run import build_run
+    from faultbench.model.train import next_micro_batches, train_step
 
     run = build_run(RECIPES[recipe].config(0))
     train_step(run, next_micro_batches(run))
@@ -35,7 +35,7 @@ def _warm_up(recipe: str) -> None:
 def _matcher(name: str):
     """``harness.case``'s function ``name`` (the reference's recipe matcher), imported on first call."""
     def call(*args):
-        from harness import case
+        from faultbench.harness import case
 
         return getattr(case, name)(*args)
 
@@ -55,7 +55,7 @@ TARGET = Target(
     needs=_matcher("needs"),
     has=_matcher("has"),
     features=_matcher("features"),
-    preload=("model.run", "model.train", "model.checkpoint"),
+    preload=("faultbench.model.run", "faultbench.model.train", "faultbench.model.checkpoint"),
     captures=True,
     warm_up=_warm_up,
 )

@@ -19,11 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # plain `pytest` (not `python -m pytest`) does not add the repo root
     sys.path.insert(0, str(ROOT))
 
-from model.config import RunConfig, get_preset  # noqa: E402
-from model.data import Corpus, load_corpus  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.run import build_run  # noqa: E402
-from model.train import train  # noqa: E402
+from faultbench.model.config import RunConfig, get_preset  # noqa: E402
+from faultbench.model.data import Corpus, load_corpus  # noqa: E402
+from faultbench.model.gpt import GPT  # noqa: E402
+from faultbench.model.run import build_run  # noqa: E402
+from faultbench.model.train import train  # noqa: E402
 
 # Steps of the shared "briefly trained" model: enough that attention and greedy decoding are not
 # trivial, cheap (~1.3 s). Measured: after 100 steps, greedy continuations of 4-token prompts of the

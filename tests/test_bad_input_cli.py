@@ -7,12 +7,12 @@ import textwrap
 
 import pytest
 
-from faults.registry import FAULTS
-from harness.case import RECIPES
-from harness.cli import main
+from faultbench.faults.registry import FAULTS
+from faultbench.harness.case import RECIPES
+from faultbench.harness.cli import main
 
 HEADER = '''
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 
 @fault("{id}", seam="{seam}", title="t" * 30, subsystem="loss", trigger="always", symptoms=("nan",),
@@ -101,14 +101,14 @@ def test_quick_and_exclusive_flags(argv, seeds, exclusive, per_subsystem, monkey
         seen.append(cfg)
         raise _Stop
 
-    monkeypatch.setattr("harness.bench.run_bench", fake_run_bench)
+    monkeypatch.setattr("faultbench.harness.bench.run_bench", fake_run_bench)
     with pytest.raises(_Stop):
         main(["bench", *argv])
     assert (seen[0].seeds, seen[0].exclusive, seen[0].per_subsystem) == (seeds, exclusive, per_subsystem)
 
 
 def test_an_empty_matrix_writes_nothing(tmp_path):
-    from harness.bench import BenchConfig, run_bench
+    from faultbench.harness.bench import BenchConfig, run_bench
 
     (tmp_path / "bench.csv").write_text("committed\n")
     cfg = BenchConfig(seeds=(), out=tmp_path, progress=False)
@@ -119,7 +119,7 @@ def test_an_empty_matrix_writes_nothing(tmp_path):
 
 
 def test_a_failure_while_rendering_leaves_every_result_file_as_it_was(tmp_path, monkeypatch):
-    from harness import report
+    from faultbench.harness import report
 
     before = {name: f"old {name}\n" for name in ("bench.csv", "summary.json", "leaderboard.md")}
     for name, text in before.items():
@@ -171,7 +171,7 @@ def test_plugin_fault_with_other_closure_variables_is_refused_at_registration(tm
 
 
 def test_plugin_attributes_and_builtins_are_not_undefined_names(tmp_path):
-    from faults.registry import load_plugin
+    from faultbench.faults.registry import load_plugin
 
     path = _plugin(tmp_path, "fine_names", "tmp_fine_names", '"""Uses attributes, builtins, module globals."""\n'
                    "total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))\n"
@@ -205,10 +205,10 @@ SCORE_FILES = ("bench.csv", "summary.json", "leaderboard.md", "heatmap.png")
 @pytest.fixture
 def tiny_bench(tmp_path, monkeypatch):
     """A 2-case bench (one cheap fault and its clean case, one recipe, one seed, one detector)."""
-    from harness.bench import BenchConfig
+    from faultbench.harness.bench import BenchConfig
 
-    monkeypatch.setattr("harness.bench.recipes_of", lambda target: {"fp32": RECIPES["fp32"]})
-    monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
+    monkeypatch.setattr("faultbench.harness.bench.recipes_of", lambda target: {"fp32": RECIPES["fp32"]})
+    monkeypatch.setattr("faultbench.harness.bench.CACHE", tmp_path / "cache")
     return BenchConfig(seeds=(0,), detectors=("forward_loss_contract",), faults=("label_permute",), jobs=1,
                        out=tmp_path / "results", progress=False)
 
@@ -218,7 +218,7 @@ def _scores(out) -> dict[str, bytes]:
 
 
 def test_a_rerun_rewrites_byte_identical_scores_and_a_bad_cache_entry_is_recomputed(tiny_bench, capsys):
-    from harness.bench import run_bench
+    from faultbench.harness.bench import run_bench
 
     run_bench(tiny_bench)
     first = _scores(tiny_bench.out)
@@ -249,8 +249,8 @@ def test_a_rerun_rewrites_byte_identical_scores_and_a_bad_cache_entry_is_recompu
 
 
 def test_a_cached_record_of_another_case_is_not_used(tiny_bench, capsys):
-    from harness.bench import read_cached
-    from harness.case import Case
+    from faultbench.harness.bench import read_cached
+    from faultbench.harness.case import Case
 
     path = tiny_bench.out.parent / "entry.json"
     case, other = Case("fp32", 0, (), ("forward_loss_contract",)), Case("fp32", 1, (), ("forward_loss_contract",))

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from harness.bundle import FILES, _sha256, replay, verify
-from harness.case import Case, run_case
-from harness.cli import main
-from harness.detect import detect
+from faultbench.harness.bundle import FILES, _sha256, replay, verify
+from faultbench.harness.case import Case, run_case
+from faultbench.harness.cli import main
+from faultbench.harness.detect import detect
 
 
 def _bundle(tmp_path, fault_id: str):
@@ -23,8 +23,8 @@ def _reseal(bundle) -> None:
 
 
 def test_capture_does_not_change_the_run(tmp_path):
-    from detectors.api import suite_ids
-    from harness.golden import load_golden
+    from faultbench.detectors.api import suite_ids
+    from faultbench.harness.golden import load_golden
 
     case = Case("resume", 0, (), tuple(suite_ids()))
     golden = load_golden(["resume"])["resume"]
@@ -89,7 +89,7 @@ def test_replay_says_what_differs(tmp_path, capsys):
 
 
 def test_bench_bundles_every_flagged_case(tmp_path):
-    from harness.bench import BenchConfig, run_bench
+    from faultbench.harness.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(seeds=(0,), detectors=("suite",), faults=("label_permute",), clean=False, jobs=1,
                       out=tmp_path / "out", progress=False, bundles=tmp_path / "bundles", command=("faultbench",))
@@ -152,7 +152,7 @@ def test_a_bundle_of_an_unknown_recipe_is_refused(tmp_path, capsys):
 
 def test_a_resealed_unreadable_checkpoint_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
     bundle = _fake_bundle(tmp_path / "bundle")  # its checkpoint.pt is empty: not a torch file
-    monkeypatch.setattr("harness.bundle.run_captured", lambda *a: pytest.fail("ran the case"))
+    monkeypatch.setattr("faultbench.harness.bundle.run_captured", lambda *a: pytest.fail("ran the case"))
     assert main(["replay", str(bundle)]) == 2
     err = capsys.readouterr().err
     assert "checkpoint.pt cannot be loaded" in err and len(err.strip().splitlines()) == 1

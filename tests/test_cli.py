@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from harness.cli import main
-from model.seams import SEAMS
+from faultbench.harness.cli import main
+from faultbench.model.seams import SEAMS
 
 
 def test_train_json_summary(capsys):
@@ -38,7 +38,7 @@ def test_bad_config_is_a_clear_error_not_a_traceback(capsys):
 
 
 def test_seams_json_lists_every_seam():
-    out = subprocess.run([sys.executable, "-m", "harness", "seams", "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "faultbench", "seams", "--json"], capture_output=True, text=True,
                          check=True).stdout
     rows = json.loads(out)
     assert [r["name"] for r in rows] == list(SEAMS)
@@ -52,14 +52,14 @@ def _last_json(argv: list[str]) -> dict:
 
 @pytest.mark.parametrize(
     "launcher",
-    [[sys.executable, "-m", "harness"],
-     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "harness"]],
+    [[sys.executable, "-m", "faultbench"],
+     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "faultbench"]],
     ids=["world-size-flag", "torchrun"],
 )
 def test_two_rank_training_matches_single_process(launcher):
     # Two ranks on the same global batch reach the single-process model up to float noise.
     args = ["train", "--steps", "6", "--json"]
-    single = _last_json([sys.executable, "-m", "harness", *args])
+    single = _last_json([sys.executable, "-m", "faultbench", *args])
     ddp = _last_json([*launcher, *args, "--world-size", "2"])
     assert ddp["world_size"] == 2 and ddp["steps"] == 6
     assert ddp["val_loss"] == pytest.approx(single["val_loss"], abs=1e-4)

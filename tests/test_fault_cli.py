@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-import targets
-from faults.registry import all_faults
-from harness.cli import main
+from faultbench import targets
+from faultbench.faults.registry import all_faults
+from faultbench.harness.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 PLUGIN = textwrap.dedent('''
-    from faults.registry import Manifest, fault
-    from model.config import TrainConfig
+    from faultbench.faults.registry import Manifest, fault
+    from faultbench.model.config import TrainConfig
 
 
     @fault(
@@ -44,7 +44,7 @@ PLUGIN = textwrap.dedent('''
 
 
 def _cli(*args, check=True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, check=check,
+    return subprocess.run([sys.executable, "-m", "faultbench", *args], capture_output=True, text=True, check=check,
                           timeout=300, cwd=ROOT)
 
 

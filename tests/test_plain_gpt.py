@@ -3,10 +3,10 @@
 import torch
 
 from benchmarks.plain_gpt import PlainGPT, lm_loss
-from model.config import ModelConfig
-from model.data import collate
-from model.gpt import GPT
-from model.loss import lm_loss as reference_lm_loss
+from faultbench.model.config import ModelConfig
+from faultbench.model.data import collate
+from faultbench.model.gpt import GPT
+from faultbench.model.loss import lm_loss as reference_lm_loss
 
 
 def _pair(cfg: ModelConfig) -> tuple[GPT, PlainGPT]:

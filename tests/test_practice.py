@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from detectors.api import SUBSYSTEMS
-from faults.registry import all_faults
-from harness import practice
-from harness.cli import main
-from harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
+from faultbench.detectors.api import SUBSYSTEMS
+from faultbench.faults.registry import all_faults
+from faultbench.harness import practice
+from faultbench.harness.cli import main
+from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
 
 FAULTS = all_faults("ref")
 RESULTS = practice.RESULTS
@@ -46,7 +46,7 @@ def folder_check(folder: Path) -> subprocess.CompletedProcess:
 
 def splice_back_the_clean_seams(folder: Path, spec) -> None:
     """What a candidate's fix amounts to: each replaced function's clean definition back in the copy."""
-    from faults.inject import seam_function_source, splice_module
+    from faultbench.faults.inject import seam_function_source, splice_module
 
     for seam in spec.seams:
         _, module, qualname = seam.split(".", 2)
@@ -58,7 +58,7 @@ def splice_back_the_clean_seams(folder: Path, spec) -> None:
 def test_round_trip_per_symptom_class(tmp_path, symptom):
     """new -> the README shows the symptom (and only what the level allows) -> the folder's own check.py
     fails on the broken copy -> the clean functions spliced back -> check says repaired (exit 0)."""
-    from harness.practice_level import symptom_class
+    from faultbench.harness.practice_level import symptom_class
 
     spec = FAULTS[ROUND_TRIPS[symptom]]
     assert symptom_class(spec) == symptom
@@ -243,7 +243,7 @@ def test_an_intermittent_crash_is_harder_than_an_immediate_nan():
 
 
 def test_hidden_choice_is_seeded_and_filtered():
-    from harness.practice import choose_fault
+    from faultbench.harness.practice import choose_fault
 
     assert choose_fault(7, None, "mask", None) == choose_fault(7, None, "mask", None)
     masks = {choose_fault(seed, None, "mask", None) for seed in range(20)}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from faults.registry import all_faults
-from harness.exercise_docs import AUTHOR_DOCS, STALE_DOCSTRING
-from harness.practice import build_folder, choose_fault, uniform_mtimes
+from faultbench.faults.registry import all_faults
+from faultbench.harness.exercise_docs import AUTHOR_DOCS, STALE_DOCSTRING
+from faultbench.harness.practice import build_folder, choose_fault, uniform_mtimes
 
 FAULTS = all_faults("ref")
 WHEN = 1_700_000_000  # any fixed time
@@ -77,7 +77,7 @@ def test_replaced_functions_carry_their_authors_docstring(folders, fault_id):
     purpose; every reference fault is in exactly one of the two tables."""
     import inspect
 
-    from model.seams import resolve
+    from faultbench.model.seams import resolve
 
     assert (fault_id in AUTHOR_DOCS) != (fault_id in STALE_DOCSTRING)
     for seam in FAULTS[fault_id].seams:
@@ -109,7 +109,7 @@ def test_hf_faults_are_refused_with_the_reason(monkeypatch):
     import dataclasses
 
     hf_like = dataclasses.replace(FAULTS["label_permute"], id="hf_label_permute", target="hf")
-    monkeypatch.setattr("harness.practice.get_fault", lambda fault_id: hf_like)
+    monkeypatch.setattr("faultbench.harness.practice.get_fault", lambda fault_id: hf_like)
     with pytest.raises(ValueError, match="cannot be spliced into a standalone copy"):
         choose_fault(None, "hf_label_permute", None, None)
     assert all(FAULTS[choose_fault(seed, None, None, None)].target == "ref" for seed in range(10))

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from faults.registry import all_faults
-from harness.cli import main
-from harness.practice_level import difficulty
-from harness.rubric import RED_FLAG_BY_TRIGGER, SUBSYSTEM_CHECKS, TIME_BUDGET_MIN, follow_ups, rubric
+from faultbench.faults.registry import all_faults
+from faultbench.harness.cli import main
+from faultbench.harness.practice_level import difficulty
+from faultbench.harness.rubric import RED_FLAG_BY_TRIGGER, SUBSYSTEM_CHECKS, TIME_BUDGET_MIN, follow_ups, rubric
 
 FAULTS = all_faults("ref")
 SECTIONS = ("## 1. Reproduce with seed control", "## 2. Isolate by subsystem", "## 3. Instrument", "## 4. Fix",

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from harness import practice, practice_session
-from harness.cli import main
+from faultbench.harness import practice, practice_session
+from faultbench.harness.cli import main
 
 
 class Clock:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from detectors.api import SUBSYSTEMS, Detector, Finding, _jsonable
+from faultbench.detectors.api import SUBSYSTEMS, Detector, Finding, _jsonable
 
 
 @dataclass
@@ -91,7 +91,7 @@ class WatchContext:
     def lm(self):
         """The model as a ``CausalLM`` (detectors.blackbox.lm), built on first use (one trial call, as a probe)."""
         if self._lm is None:
-            from detectors.blackbox.lm import CausalLM
+            from faultbench.detectors.blackbox.lm import CausalLM
 
             with self.probe():
                 self._lm = CausalLM.wrap(self.model)
@@ -223,7 +223,7 @@ class BlackBoxDetector(Detector):
 
 def black_box_ids() -> list[str]:
     """Every registered black-box detector (the default of ``faultbench.watch``)."""
-    from detectors.api import black_box_suite_ids
+    from faultbench.detectors.api import black_box_suite_ids
 
     return black_box_suite_ids()
 

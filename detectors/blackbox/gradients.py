@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from detectors.api import NotApplicable, register
-from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+from faultbench.detectors.api import NotApplicable, register
+from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
 
 MIN_POSITIONS = 8  # labelled positions a micro-batch needs before its labels say anything
 SATURATED = 1e-4  # 1 - p(label) below this: the weight is not measurable (the loss is ~0 there anyway)

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from detectors.api import NotApplicable, register
-from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+from faultbench.detectors.api import NotApplicable, register
+from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
 
 IGNORE_INDEX = -100  # the label value torch's cross_entropy (and every HF loss) ignores by default
 
@@ -371,4 +371,4 @@ class GoldenLoss(BlackBoxDetector):
 
 
 # the monitors against golden runs, resumed segments and other ranks live beside these (registered on import)
-from detectors.blackbox import monitors_state  # noqa: E402,F401
+from faultbench.detectors.blackbox import monitors_state  # noqa: E402,F401

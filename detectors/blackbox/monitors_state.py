@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from detectors.api import NotApplicable, register
-from detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
-from detectors.blackbox.batches import row_hashes
+from faultbench.detectors.api import NotApplicable, register
+from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+from faultbench.detectors.blackbox.batches import row_hashes
 
 
 def _golden_steps(ctx: WatchContext) -> list[dict]:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from detectors.api import NotApplicable, register
-from detectors.blackbox.api import BlackBoxDetector
-from detectors.blackbox.lm import CausalLM
+from faultbench.detectors.api import NotApplicable, register
+from faultbench.detectors.blackbox.api import BlackBoxDetector
+from faultbench.detectors.blackbox.lm import CausalLM
 
 ROWS, LENGTH, MIN_LEN = 1, 12, 8  # a round probes one row of the loop's batch: up to 12 real tokens, at least 8
 PAD_LEN = 3  # pads added on each side in the padding probe

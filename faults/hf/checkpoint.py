@@ -33,7 +33,7 @@ from transformers.trainer import (
 )
 from transformers.training_args import ParallelMode
 
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 _TRAINER = "transformers.trainer.Trainer"
 # defined by transformers only where torch_xla / SageMaker / DeepSpeed are installed, and used only behind those checks

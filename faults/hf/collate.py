@@ -9,8 +9,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.data.data_collator import _torch_collate_batch, pad_without_fast_tokenizer_warning
 from transformers.tokenization_utils_base import PaddingStrategy
 
-from faults.registry import Manifest, fault
-from targets.hf.data import SPECIAL_TOKENS
+from faultbench.faults.registry import Manifest, fault
+from faultbench.targets.hf.data import SPECIAL_TOKENS
 
 _COLLATOR = "transformers.data.data_collator.DataCollatorForLanguageModeling.torch_call"
 

@@ -5,8 +5,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
-from faults.registry import Manifest, fault
-from targets.hf.data import SPECIAL_TOKENS
+from faultbench.faults.registry import Manifest, fault
+from faultbench.targets.hf.data import SPECIAL_TOKENS
 
 _GETITEM = "targets.hf.data.TextDataset.__getitem__"
 

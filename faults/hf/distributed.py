@@ -5,7 +5,7 @@ import os
 import torch
 from accelerate.accelerator import AcceleratedOptimizer, DistributedType
 
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 # defined by accelerate only where torch_xla is installed, and used only behind that check
 xm = None

@@ -24,8 +24,8 @@ from transformers.trainer import (
     nested_detach,
 )
 
-from faults.registry import Manifest, fault
-from model.corpus import split_of
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.corpus import split_of
 
 _TRAINER = "transformers.trainer.Trainer"
 # defined by transformers only where torch_xla / SageMaker are installed, and used only behind those checks

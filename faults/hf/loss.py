@@ -11,7 +11,7 @@ from torch import nn
 from transformers.loss.loss_utils import fixed_cross_entropy
 from transformers.trainer import logger, propagate_args_to_deepspeed
 
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 _ACCUM = {"recipe": "accum"}  # 4 micro-batches per step: what the accumulation normalization is about
 

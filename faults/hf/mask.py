@@ -5,7 +5,7 @@ from collections.abc import Callable
 import torch
 from transformers.masking_utils import causal_mask_function, fast_all, is_torchdynamo_exporting, is_tracing, sdpa_mask
 
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 _MASKS = "transformers.masking_utils"
 _LEFT_PAD_GENERATE = dict(scenario="generate", steps=16, check="extra_at_least")

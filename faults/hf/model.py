@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 _LLAMA = "transformers.models.llama.modeling_llama"
 

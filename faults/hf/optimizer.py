@@ -21,7 +21,7 @@ from transformers.trainer import (
     skip_first_batches,
 )
 
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 # transformers.trainer imports these only where SageMaker MP / torch_xla are installed; the copied bodies use them
 # only behind those checks, as the originals do

@@ -5,7 +5,7 @@ import torch
 from transformers.generation.utils import ALL_CACHE_NAMES
 from transformers.models.llama.modeling_llama import rotate_half
 
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 _GEN = "transformers.generation.utils.GenerationMixin"
 _LLAMA = "transformers.models.llama.modeling_llama"

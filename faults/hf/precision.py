@@ -11,7 +11,7 @@ scores are fp32 once the fp32 additive mask is added (its softmax without ``dtyp
 import torch
 from transformers.trainer import ParallelMode, logger
 
-from faults.registry import Manifest, fault
+from faultbench.faults.registry import Manifest, fault
 
 _TRAINER = "transformers.trainer.Trainer"
 _LLAMA = "transformers.models.llama.modeling_llama"

@@ -11,30 +11,30 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-from targets import Target  # noqa: E402
-from targets.hf import seams as _seams  # noqa: E402
+from faultbench.targets import Target  # noqa: E402
+from faultbench.targets.hf import seams as _seams  # noqa: E402
 
 
 def _recipes() -> dict:
-    from targets.hf.recipes import RECIPES
+    from faultbench.targets.hf.recipes import RECIPES
 
     return RECIPES
 
 
 def _run_case(*args, **kwargs) -> dict:
-    from targets.hf.case import run_case
+    from faultbench.targets.hf.case import run_case
 
     return run_case(*args, **kwargs)
 
 
 def _warm_up(recipe: str) -> None:
-    from targets.hf.case import warm_up
+    from faultbench.targets.hf.case import warm_up
 
     warm_up(recipe)
 
 
 def _matcher():
-    from targets.hf import matcher
+    from faultbench.targets.hf import matcher
 
     return matcher
 
@@ -50,6 +50,6 @@ TARGET = Target(
     needs=lambda manifest: _matcher().needs(manifest),
     has=lambda recipe, need: _matcher().has(recipe, need),
     features=lambda recipe: _matcher().features(recipe),
-    preload=("targets.hf.case", "targets.hf.scenario"),
+    preload=("faultbench.targets.hf.case", "faultbench.targets.hf.scenario"),
     warm_up=_warm_up,
 )

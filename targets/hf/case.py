@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from detectors.api import RunContext
-from harness.case import Suite, empty_record, final_state, suite_into
-from harness.watched import Watched, split_tracks
-from targets.hf.hooks import checkpoint_dir, train
-from targets.hf.recipes import RECIPES
-from targets.hf.run import HFRun, build_run, evaluate
-from targets.hf.seams import SEAMS, resolve
+from faultbench.detectors.api import RunContext
+from faultbench.harness.case import Suite, empty_record, final_state, suite_into
+from faultbench.harness.watched import Watched, split_tracks
+from faultbench.targets.hf.hooks import checkpoint_dir, train
+from faultbench.targets.hf.recipes import RECIPES
+from faultbench.targets.hf.run import HFRun, build_run, evaluate
+from faultbench.targets.hf.seams import SEAMS, resolve
 
 DECODE_PROMPTS, DECODE_TOKENS = 4, 8
 
@@ -118,7 +118,7 @@ def _run(recipe, seed: int, detectors: tuple, golden, rank: int, workdir: Path) 
 
 def empty_record_for(recipe: str, seed: int, detectors: tuple, rank: int) -> dict:
     """``harness.case.empty_record`` with this target's case description."""
-    from harness.case import Case
+    from faultbench.harness.case import Case
 
     return empty_record(Case(recipe, seed, (), detectors, target="hf"), rank)
 

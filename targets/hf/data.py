@@ -18,10 +18,10 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
-from model.config import DataConfig
-from model.corpus import MarkovSource, split_of
-from model.data import load_corpus
-from model.tokenizer import SPECIAL_TOKENS
+from faultbench.model.config import DataConfig
+from faultbench.model.corpus import MarkovSource, split_of
+from faultbench.model.data import load_corpus
+from faultbench.model.tokenizer import SPECIAL_TOKENS
 
 
 @dataclass(frozen=True)

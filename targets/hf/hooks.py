@@ -19,7 +19,7 @@ import time
 
 from transformers import TrainerCallback
 
-from model.train import StepRecord
+from faultbench.model.train import StepRecord
 
 
 class StepRecorder(TrainerCallback):

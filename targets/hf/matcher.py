@@ -11,7 +11,7 @@ neither list is essential and must match exactly. An HF variant holds ``Recipe``
 
 from __future__ import annotations
 
-from targets.hf.recipes import RECIPES, Recipe, scenario_recipe
+from faultbench.targets.hf.recipes import RECIPES, Recipe, scenario_recipe
 
 TUNING = {
     "": {"steps", "batch_size", "lr", "warmup_steps", "weight_decay", "max_grad_norm"},

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from harness.case import SMALL_EPOCH, train_docs
-from model.config import DataConfig, get_preset
-from targets.hf.modeling import ModelSpec
+from faultbench.harness.case import SMALL_EPOCH, train_docs
+from faultbench.model.config import DataConfig, get_preset
+from faultbench.targets.hf.modeling import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import torch
 from transformers import DataCollatorForLanguageModeling, PrinterCallback, Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 
-from targets.hf.data import TextDataset, Texts, load_texts, wrap_tokenizer
-from targets.hf.distributed import rank_environment, set_environment
-from targets.hf.modeling import build_model
-from targets.hf.recipes import Recipe
+from faultbench.targets.hf.data import TextDataset, Texts, load_texts, wrap_tokenizer
+from faultbench.targets.hf.distributed import rank_environment, set_environment
+from faultbench.targets.hf.modeling import build_model
+from faultbench.targets.hf.recipes import Recipe
 
 EVAL_DOCS = 128  # validation documents of a case's end-of-run evaluation (one batch: an exact token mean)
 

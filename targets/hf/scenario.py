@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from targets.hf.case import crash_record
-from targets.hf.hooks import checkpoint_dir, train
-from targets.hf.recipes import Recipe, scenario_recipe
-from targets.hf.run import EVAL_DOCS, HFRun, build_run, evaluate
+from faultbench.targets.hf.case import crash_record
+from faultbench.targets.hf.hooks import checkpoint_dir, train
+from faultbench.targets.hf.recipes import Recipe, scenario_recipe
+from faultbench.targets.hf.run import EVAL_DOCS, HFRun, build_run, evaluate
 
 SCENARIOS = ("train", "generate", "resume", "ddp")
 PROMPT_LENGTHS = (3, 5, 4, 6)  # left-padded prompts of different lengths: padding and cache offsets matter

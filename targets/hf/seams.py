@@ -14,8 +14,8 @@ import importlib
 import inspect
 import os
 
-from model.seams import Seam
-from model.seams import resolve as resolve_name  # the lookup is the same; only the vocabulary differs
+from faultbench.model.seams import Seam, live_module
+from faultbench.model.seams import resolve as resolve_name  # the lookup is the same; only the vocabulary differs
 
 _LLAMA = "transformers.models.llama.modeling_llama"
 _TRAINER = "transformers.trainer.Trainer"
@@ -129,6 +129,6 @@ def seams() -> list[Seam]:
         _, line = inspect.getsourcelines(fn)
         path = inspect.getsourcefile(fn)
         # relative to the folder holding the top-level package: site-packages, or the repository root
-        root = os.path.dirname(os.path.dirname(importlib.import_module(name.split(".")[0]).__file__))
+        root = os.path.dirname(os.path.dirname(importlib.import_module(live_module(name.split(".")[0])).__file__))
         out.append(Seam(name, subsystem, os.path.relpath(path, root), line))
     return out

@@ -1,8 +1,8 @@
 """A plugin for the bench's own tests: a fault that hangs, a detector that raises, one that always reports."""
 
-from detectors.api import Detector, register
-from faults.registry import Manifest, fault
-from model.data import IGNORE_INDEX
+from faultbench.detectors.api import Detector, register
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.data import IGNORE_INDEX
 
 
 @fault(

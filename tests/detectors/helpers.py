@@ -1,7 +1,7 @@
 """Building a detector's context in unit tests: the run, with some seams swapped for hand-broken functions."""
 
-from detectors.api import RunContext
-from model.seams import SEAMS, resolve
+from faultbench.detectors.api import RunContext
+from faultbench.model.seams import SEAMS, resolve
 
 
 def context(run, golden=None, **replaced) -> RunContext:

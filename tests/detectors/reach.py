@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from detectors.api import RunContext
+from faultbench.detectors.api import RunContext
 
 
 def reachable_strings(*roots) -> set[str]:

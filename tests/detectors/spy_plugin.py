@@ -6,7 +6,7 @@ saw comes back in the case record's summaries.
 
 from __future__ import annotations
 
-from detectors.api import HOOKS, Detector, RunContext, register
+from faultbench.detectors.api import HOOKS, Detector, RunContext, register
 from tests.detectors.reach import reachable_strings
 
 

@@ -3,10 +3,10 @@
 import inspect
 from types import SimpleNamespace
 
-from detectors.api import RunContext
-from detectors.baselines import CrashTriage, LossCurve, innermost_seam
-from model.config import get_preset
-from model.seams import SEAMS, resolve
+from faultbench.detectors.api import RunContext
+from faultbench.detectors.baselines import CrashTriage, LossCurve, innermost_seam
+from faultbench.model.config import get_preset
+from faultbench.model.seams import SEAMS, resolve
 
 
 def context(golden=None):

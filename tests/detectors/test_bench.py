@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-import targets
-from detectors.api import DETECTORS, resolve_ids
-from faults.registry import FAULTS, Manifest, all_faults
-from harness.bench import BenchConfig, build_matrix, run_bench
-from harness.case import MIN_SUBSYSTEMS, RECIPES, Case, NotRunnable, recipe_for, run_case, unmet
+from faultbench import targets
+from faultbench.detectors.api import DETECTORS, resolve_ids
+from faultbench.faults.registry import FAULTS, Manifest, all_faults
+from faultbench.harness.bench import BenchConfig, build_matrix, run_bench
+from faultbench.harness.case import MIN_SUBSYSTEMS, RECIPES, Case, NotRunnable, recipe_for, run_case, unmet
 
 ONE_RECIPE = {"fp32": RECIPES["fp32"]}  # a clean matrix of one recipe is enough for the machinery
 
@@ -21,7 +21,7 @@ TEST_DETECTORS = ("test_raises_on_start", "test_reports_every_run")
 @pytest.fixture
 def plugin_bench(tmp_path, monkeypatch):
     """A bench of the plugin's hanging fault plus one clean case, with the plugin's detectors only."""
-    monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
+    monkeypatch.setattr("faultbench.harness.bench.CACHE", tmp_path / "cache")
     cfg = BenchConfig(seeds=(0,), targets=("ref",), detectors=TEST_DETECTORS, plugins=(PLUGIN,),
                       only_plugin_faults=True, out=tmp_path / "results", timeout_s=15, progress=False)
     yield cfg
@@ -32,7 +32,7 @@ def plugin_bench(tmp_path, monkeypatch):
 
 
 def test_a_hanging_case_and_a_raising_detector_are_recorded_not_fatal(plugin_bench, monkeypatch):
-    monkeypatch.setattr("harness.bench.recipes_of", lambda target: ONE_RECIPE)
+    monkeypatch.setattr("faultbench.harness.bench.recipes_of", lambda target: ONE_RECIPE)
     summary = run_bench(plugin_bench)["targets"]["ref"]
     rows = {(r["fault"], r["detector"]): r for r in _csv(plugin_bench.out / "bench.csv")}
     hang = rows[("test_collate_hangs", "test_reports_every_run")]
@@ -48,7 +48,7 @@ def test_a_hanging_case_and_a_raising_detector_are_recorded_not_fatal(plugin_ben
 
 
 def test_finished_cases_are_cached_and_reused(plugin_bench, monkeypatch):
-    monkeypatch.setattr("harness.bench.recipes_of", lambda target: ONE_RECIPE)
+    monkeypatch.setattr("faultbench.harness.bench.recipes_of", lambda target: ONE_RECIPE)
     plugin_bench.faults = ()  # the clean case only
     first = run_bench(plugin_bench)
     cached = list((plugin_bench.out.parent / "cache").glob("*.json"))
@@ -141,8 +141,9 @@ def test_an_hf_fault_no_recipe_satisfies_is_not_runnable_with_its_reason(monkeyp
 
 def test_a_tiny_hf_bench_scores_its_cases_apart(tmp_path, monkeypatch):
     """One HF fault on seed 1 with its clean twin: rows say target hf, the fault showed, the summary is per target."""
-    monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
-    monkeypatch.setattr("harness.bench.recipes_of", lambda target: {"fp32": targets.get(target).recipes()["fp32"]})
+    monkeypatch.setattr("faultbench.harness.bench.CACHE", tmp_path / "cache")
+    monkeypatch.setattr("faultbench.harness.bench.recipes_of",
+                        lambda target: {"fp32": targets.get(target).recipes()["fp32"]})
     cfg = BenchConfig(seeds=(1,), targets=("hf",), faults=("hf_label_shift_off_by_one",),
                       detectors=("loss_contract", "loss_vs_floor"), out=tmp_path / "out", progress=False)
     summary = run_bench(cfg)
@@ -177,7 +178,7 @@ def test_the_matcher_meets_the_whole_variant_and_ignores_only_tuning_knobs():
 def test_a_fault_no_recipe_can_show_is_not_runnable_and_gets_a_row_of_its_own(monkeypatch):
     import dataclasses
 
-    from harness.report import blind_spot_lines
+    from faultbench.harness.report import blind_spot_lines
 
     spec = dataclasses.replace(FAULTS["label_permute"], id="needs_bf16_resume", manifest=Manifest(
         check="crash", scenario="resume", variant={"train": {"precision": "bf16"}}))
@@ -197,7 +198,7 @@ def test_a_fault_no_recipe_can_show_is_not_runnable_and_gets_a_row_of_its_own(mo
 
 
 def test_a_fault_is_recorded_as_shown_only_where_its_run_differs_from_the_clean_one():
-    from harness.bench import mark_manifested
+    from faultbench.harness.bench import mark_manifested
 
     # dropout 0: eval_in_train_mode changes nothing in fp32; label_permute always does
     cases = [Case("fp32", 0), Case("fp32", 0, ("eval_in_train_mode",)), Case("fp32", 0, ("label_permute",)),
@@ -211,7 +212,7 @@ def test_a_fault_is_recorded_as_shown_only_where_its_run_differs_from_the_clean_
 
 
 def test_a_kept_graph_shows_though_every_number_is_unchanged():
-    from harness.bench import mark_manifested
+    from faultbench.harness.bench import mark_manifested
 
     cases = [Case("fp32", 0), Case("fp32", 0, ("loss_history_keeps_graph",))]
     records = {c: run_case(c) for c in cases}

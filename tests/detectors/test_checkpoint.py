@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import model.checkpoint as ckpt
-from detectors.checkpoint import LOAD, RESTORE_RNG, ResumeContinuity, _differences
-from model.run import build_run
-from model.train import train
+import faultbench.model.checkpoint as ckpt
+from faultbench.detectors.checkpoint import LOAD, RESTORE_RNG, ResumeContinuity, _differences
+from faultbench.model.run import build_run
+from faultbench.model.train import train
 from tests.detectors.helpers import context
 
 

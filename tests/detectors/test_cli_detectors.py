@@ -2,8 +2,8 @@
 
 import json
 
-from harness.case import RECIPES
-from harness.cli import main
+from faultbench.harness.case import RECIPES
+from faultbench.harness.cli import main
 
 
 def _last_json(capsys) -> dict:
@@ -24,8 +24,8 @@ def test_unknown_detector_is_a_clear_error(capsys):
 
 
 def test_bench_json_prints_the_summary_last(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("harness.bench.recipes_of", lambda target: {"fp32": RECIPES["fp32"]})
-    monkeypatch.setattr("harness.bench.CACHE", tmp_path / "cache")
+    monkeypatch.setattr("faultbench.harness.bench.recipes_of", lambda target: {"fp32": RECIPES["fp32"]})
+    monkeypatch.setattr("faultbench.harness.bench.CACHE", tmp_path / "cache")
     assert main(["bench", "--quick", "--fault", "label_permute", "--detectors", "loss_contract",
                  "forward_loss_contract", "--json", "--out", str(tmp_path)]) == 0
     summary = _last_json(capsys)

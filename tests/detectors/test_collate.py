@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from detectors.collate import CollateContract, collate_violations, crafted_batches
-from model.data import collate
-from model.run import build_run
+from faultbench.detectors.collate import CollateContract, collate_violations, crafted_batches
+from faultbench.model.data import collate
+from faultbench.model.run import build_run
 from tests.detectors.helpers import context
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from detectors.data import (
+from faultbench.detectors.data import (
     BatchSpecialIds,
     CorpusInvariants,
     TokenizerRoundtrip,
@@ -10,8 +10,8 @@ from detectors.data import (
     tokenizer_violations,
     truncate_violations,
 )
-from model.data import collate, truncate
-from model.run import build_run
+from faultbench.model.data import collate, truncate
+from faultbench.model.run import build_run
 from tests.detectors.helpers import context
 
 

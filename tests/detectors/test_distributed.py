@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from detectors.api import RunContext
-from detectors.distributed import NEXT_INDICES, RankDataDistinct, disagreeing, rescale_factors
-from harness.case import Case, execute
-from model.sampler import ResumableSampler
-from model.seams import SEAMS, resolve
+from faultbench.detectors.api import RunContext
+from faultbench.detectors.distributed import NEXT_INDICES, RankDataDistinct, disagreeing, rescale_factors
+from faultbench.harness.case import Case, execute
+from faultbench.model.sampler import ResumableSampler
+from faultbench.model.seams import SEAMS, resolve
 
 DETECTORS = ("reduction_probe", "rank_collectives", "rank_agreement", "rank_data_distinct",
              "rank_grad_norm_agreement", "resume_continuity")

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from detectors.eval import EvalContract, SplitOverlap
-from model.data import collate
-from model.evaluate import evaluate
-from model.loss import lm_loss
-from model.run import build_run
+from faultbench.detectors.eval import EvalContract, SplitOverlap
+from faultbench.model.data import collate
+from faultbench.model.evaluate import evaluate
+from faultbench.model.loss import lm_loss
+from faultbench.model.run import build_run
 from tests.detectors.helpers import context
 
 

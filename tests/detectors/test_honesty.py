@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from detectors.api import DETECTORS, HOOKS, SUBSYSTEMS, RunContext, all_detectors, resolve_ids
-from faults.inject import injected
-from faults.registry import FaultSpec, all_faults
-from harness.case import RECIPES, Case, execute, recipe_for
-from model.seams import SEAMS, resolve
+from faultbench.detectors.api import DETECTORS, HOOKS, SUBSYSTEMS, RunContext, all_detectors, resolve_ids
+from faultbench.faults.inject import injected
+from faultbench.faults.registry import FaultSpec, all_faults
+from faultbench.harness.case import RECIPES, Case, execute, recipe_for
+from faultbench.model.seams import SEAMS, resolve
 from tests.detectors.reach import reachable_strings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,8 @@ SOURCES = sorted((ROOT / "detectors").glob("**/*.py")) + [ROOT / "peers" / f
 
 # ------------------------------------------------------------------------------------------ the static check
 # modules a detector may not import at all (any submodule, any alias)
-BANNED_MODULES = ("faults", "harness", "model", "sys", "gc", "linecache", "importlib", "builtins", "dis", "ctypes",
+BANNED_MODULES = ("faultbench.faults", "faultbench.harness", "faultbench.model", "faults", "harness", "model",
+                  "sys", "gc", "linecache", "importlib", "builtins", "dis", "ctypes",
                   "runpy", "pkgutil", "marshal")
 # attributes of allowed modules that reach frames, source, the environment or a function's insides
 BANNED_QUALIFIED = {
@@ -57,7 +58,8 @@ BANNED_ATTRS = {
 BANNED_NAMES = {"__import__", "eval", "exec", "compile", "breakpoint", "__builtins__"}
 BANNED_KEYWORDS = {"capture_locals"}  # traceback's way to the locals of every frame
 # string constants (getattr's names, paths): a banned name, or a path into the fault or harness packages
-BANNED_STRING = re.compile(r"^(?:(?:faults|harness)(?:[./].*)?|sys|gc|linecache|inspect\.\w+)$|/proc/")
+BANNED_STRING = re.compile(r"^(?:(?:faultbench[./])?(?:faults|harness)(?:[./].*)?|sys|gc|linecache|inspect\.\w+)$"
+                           r"|/proc/")
 
 # Narrow exemptions: (file, function) -> the rules that function may break, and why.
 EXEMPT = {
@@ -119,6 +121,8 @@ def _rules(node: ast.AST, aliases: dict[str, str], docstrings: set[int]) -> set[
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         local = _qualifier(ast.Module(body=[node], type_ignores=[]), aliases.get("__package__", ""))
         found |= {rule for q in local.values() if (rule := _module_rule(q))}
+        # ``import faultbench.faults.registry`` binds only ``faultbench``: the module it loads is the use
+        found |= {rule for a in node.names if isinstance(node, ast.Import) and (rule := _module_rule(a.name))}
         found |= {a.name for a in node.names if a.name in BANNED_ATTRS}
     elif isinstance(node, (ast.Attribute, ast.Call)):
         if isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS:
@@ -211,6 +215,11 @@ BANNED_SNIPPETS = {
     "from faults import": "from faults.registry import all_faults",
     "from harness import": "from harness.case import run_case",
     "import model": "import model.data as d",
+    "import faultbench.faults": "import faultbench.faults.registry",
+    "from faultbench.harness import": "from faultbench.harness.case import run_case",
+    "from faultbench import model": "from faultbench import model",
+    "faultbench.faults by attribute": "import faultbench\nr = faultbench.faults.registry.FAULTS",
+    "string faultbench.faults module": "name = 'faultbench.faults.registry'",
     "importlib single quotes": "import importlib\nm = importlib.import_module('faults.registry')",
     "importlib double quotes": 'import importlib\nm = importlib.import_module("faults.registry")',
     "from importlib import import_module": "from importlib import import_module as imp\nm = imp('model.data')",
@@ -253,7 +262,8 @@ def _context() -> RunContext:
     return RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS))
 
 
-@pytest.mark.parametrize("name", ["faults.registry.all_faults", "harness.case.run_case", "model.data", "model",
+@pytest.mark.parametrize("name", ["faults.registry.all_faults", "harness.case.run_case", "faultbench.model.data",
+                                  "model",
                                   "model.tokenizer.cache_dir", "os.environ"])
 def test_the_context_resolves_nothing_but_seams(name):
     ctx = _context()
@@ -290,7 +300,7 @@ def test_raising_seam_names_the_innermost_seam_a_probe_raised_in():
 
 
 def test_the_tokenizer_fault_leaves_the_environment_alone():
-    import model.tokenizer as tokenizer_module
+    import faultbench.model.tokenizer as tokenizer_module
 
     before, shared = dict(os.environ), tokenizer_module.cache_dir()
     with injected("missing_bos"):

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from detectors.loss import ForwardLossContract, LossContract, reference_loss
-from model.loss import lm_loss
-from model.run import build_run
-from model.train import forward_loss
+from faultbench.detectors.loss import ForwardLossContract, LossContract, reference_loss
+from faultbench.model.loss import lm_loss
+from faultbench.model.run import build_run
+from faultbench.model.train import forward_loss
 from tests.detectors.helpers import start_findings as findings
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from detectors.mask import CausalityProbe, MaskContract, PaddingInvariance, check_build_mask
-from model.attention import build_attention_mask
-from model.run import build_run
+from faultbench.detectors.mask import CausalityProbe, MaskContract, PaddingInvariance, check_build_mask
+from faultbench.model.attention import build_attention_mask
+from faultbench.model.run import build_run
 from tests.detectors.helpers import context
 
 
@@ -90,7 +90,7 @@ def test_model_probes_silent_on_the_reference(run):
 def test_padding_invariance_blames_the_mask_free_path(run, monkeypatch):
     """The model itself runs an attend whose mask-free path sees the next key: right padding changes logits,
     the explicit mask path is fine."""
-    monkeypatch.setattr("model.attention.attend", attend_sees_next)
+    monkeypatch.setattr("faultbench.model.attention.attend", attend_sees_next)
     det = PaddingInvariance()
     det.on_start(context(run))
     assert det.findings and det.findings[0].seam == "model.attention.attend"

@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from detectors.api import RunContext
-from detectors.model import InitEnvelope, ModuleComposition, output_kind
-from detectors.probes import attend_diagnosis
-from model.attention import attend
-from model.run import build_run
-from model.seams import SEAMS, resolve
+from faultbench.detectors.api import RunContext
+from faultbench.detectors.model import InitEnvelope, ModuleComposition, output_kind
+from faultbench.detectors.probes import attend_diagnosis
+from faultbench.model.attention import attend
+from faultbench.model.run import build_run
+from faultbench.model.seams import SEAMS, resolve
 
 CPU = torch.device("cpu")
 
@@ -103,7 +103,7 @@ def test_module_composition(run, monkeypatch):
         x = x + self.attn(x, rope, attn_mask, cache, layer_idx)
         return x + self.mlp(self.ln_2(x))
 
-    monkeypatch.setattr("model.gpt.Block.forward", normed_residual)
+    monkeypatch.setattr("faultbench.model.gpt.Block.forward", normed_residual)
     det = ModuleComposition()
     det.on_start(ctx)
     assert [(f.subsystem, f.seam) for f in det.findings] == [("model", "model.gpt.Block.forward")]

@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from detectors.api import DETECTORS, Detector, NotApplicable, RunContext, all_detectors
-from harness.case import Suite
+from faultbench.detectors.api import DETECTORS, Detector, NotApplicable, RunContext, all_detectors
+from faultbench.harness.case import Suite
 
 
 def seam_fn():

@@ -6,11 +6,11 @@ import time
 import pytest
 import torch
 
-from detectors.optimizer import GradHygiene, LrSchedule, OptimizerConfig, TrainStepContract, expected_lr
-from harness.case import RECIPES
-from model.optim import configure_optimizer, lr_at
-from model.run import build_run
-from model.train import StepRecord, clip_gradients, forward_loss, optimizer_step
+from faultbench.detectors.optimizer import GradHygiene, LrSchedule, OptimizerConfig, TrainStepContract, expected_lr
+from faultbench.harness.case import RECIPES
+from faultbench.model.optim import configure_optimizer, lr_at
+from faultbench.model.run import build_run
+from faultbench.model.train import StepRecord, clip_gradients, forward_loss, optimizer_step
 from tests.detectors.helpers import start_findings as findings
 
 
@@ -52,7 +52,7 @@ def test_schedule_seams(run, monkeypatch):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg))
 
     with monkeypatch.context() as patch:  # as an injection does: make_scheduler's lambda calls the broken lr_at
-        patch.setattr("model.optim.lr_at", undivided)
+        patch.setattr("faultbench.model.optim.lr_at", undivided)
         assert [f.seam for f in findings(LrSchedule, run)] == ["model.optim.lr_at"]
     assert [f.seam for f in findings(LrSchedule, run, **{"model.optim.make_scheduler": absolute})] == [
         "model.optim.make_scheduler"]

@@ -2,9 +2,15 @@
 
 import torch
 
-from detectors.position import apply_rope_problem, kv_cache_problem, positions_problem, rope_at_problem, tables_problem
-from model.gpt import KVCache
-from model.rope import apply_rope, position_ids_from_mask, rope_at, rope_tables
+from faultbench.detectors.position import (
+    apply_rope_problem,
+    kv_cache_problem,
+    positions_problem,
+    rope_at_problem,
+    tables_problem,
+)
+from faultbench.model.gpt import KVCache
+from faultbench.model.rope import apply_rope, position_ids_from_mask, rope_at, rope_tables
 
 CPU = torch.device("cpu")
 

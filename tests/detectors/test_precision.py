@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from detectors.precision import Fp16AttentionStress, ScalerMonitor
-from harness.case import RECIPES
-from model.attention import attend
-from model.run import build_run
+from faultbench.detectors.precision import Fp16AttentionStress, ScalerMonitor
+from faultbench.harness.case import RECIPES
+from faultbench.model.attention import attend
+from faultbench.model.run import build_run
 from tests.detectors.helpers import start_findings as findings
 
 

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from detectors.resources import GraphRetention, PaddingWaste
-from model.data import collate
-from model.run import build_run
+from faultbench.detectors.resources import GraphRetention, PaddingWaste
+from faultbench.model.data import collate
+from faultbench.model.run import build_run
 from tests.detectors.helpers import context
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.score import aggregate, case_rows, score_findings
+from faultbench.harness.score import aggregate, case_rows, score_findings
 
 FAULT = {"subsystem": "collate", "also_acceptable": ["mask"], "seams": ["model.data.collate"], "trigger": "always"}
 
@@ -63,7 +63,7 @@ def test_aggregate_separates_clean_and_faulty_cases_and_measures_overhead():
 
 
 def test_an_exclusive_detector_is_charged_its_whole_slowdown_against_the_paired_suite_case():
-    from harness.score import SUITE, exclusive_overhead
+    from faultbench.harness.score import SUITE, exclusive_overhead
 
     rows = [{"case": "c", "detector": SUITE, "train_s": 1.1, "step_s": 0.1, "crash": ""},
             {"case": "c", "detector": "anomaly", "train_s": 3.0, "step_s": 0.0, "crash": ""}]
@@ -71,8 +71,8 @@ def test_an_exclusive_detector_is_charged_its_whole_slowdown_against_the_paired_
 
 
 def test_goals_are_judged_only_when_the_suite_ran():
-    from harness.bench import GOALS
-    from harness.report import goal_lines
+    from faultbench.harness.bench import GOALS
+    from faultbench.harness.report import goal_lines
 
     goals = {track: {k: list(v) for k, v in g.items()} for track, g in GOALS.items()}
     assert goal_lines({"suite": None, "blackbox": None}, goals) == [
@@ -87,7 +87,7 @@ def test_goals_are_judged_only_when_the_suite_ran():
 
 
 def test_scores_count_only_cases_where_the_fault_showed_and_report_the_others_beside():
-    from harness.score import SUITE, per_fault
+    from faultbench.harness.score import SUITE, per_fault
 
     perfect = {f"{m}_{level}": v for level in ("subsystem", "seam") for m, v in (("top1", True), ("top3", True),
                                                                                  ("rr", 1.0))}

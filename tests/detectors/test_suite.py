@@ -9,10 +9,10 @@ catching it, the test fails until the entry is removed.
 
 import pytest
 
-from detectors.api import resolve_ids
-from faults.registry import all_faults
-from harness.case import RECIPES, Case, execute, recipe_for
-from harness.golden import load_golden
+from faultbench.detectors.api import resolve_ids
+from faultbench.faults.registry import all_faults
+from faultbench.harness.case import RECIPES, Case, execute, recipe_for
+from faultbench.harness.golden import load_golden
 
 SEEDS = (0, 1)
 BLIND_SPOTS: dict[str, str] = {}

@@ -3,9 +3,9 @@ faultbench.watch only, and each track is scored apart (harness/watched.py, harne
 
 import pytest
 
-from detectors.api import black_box_suite_ids, resolve_ids, suite_ids
-from harness.case import Case, execute
-from harness.score import BLACKBOX, SUITE, case_rows, seam_of
+from faultbench.detectors.api import black_box_suite_ids, resolve_ids, suite_ids
+from faultbench.harness.case import Case, execute
+from faultbench.harness.score import BLACKBOX, SUITE, case_rows, seam_of
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_the_scorer_maps_a_module_path_to_its_class_forward_only_where_the_targe
 
 
 def test_golden_runs_record_what_a_watch_saw_and_hand_it_to_the_black_box_track_as_an_envelope():
-    from harness.golden import golden_cases, trace_of
-    from harness.watched import WATCH_HISTORY, envelope
+    from faultbench.harness.golden import golden_cases, trace_of
+    from faultbench.harness.watched import WATCH_HISTORY, envelope
 
     case = golden_cases(["fp32"])[0]
     trace = trace_of(execute(case))

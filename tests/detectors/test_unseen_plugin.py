@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from faults.registry import FAULTS, all_faults, load_plugin
-from harness.manifest import prove
+from faultbench.faults.registry import FAULTS, all_faults, load_plugin
+from faultbench.harness.manifest import prove
 
 PLUGIN = Path(__file__).resolve().parents[2] / "examples" / "unseen_faults.py"
 # the ids, read without importing the plugin (importing at collection would add its faults to every

@@ -2,8 +2,8 @@
 
 import time
 
-from model.config import RunConfig
-from model.run import build_run
+from faultbench.model.config import RunConfig
+from faultbench.model.run import build_run
 
 
 def shard_indices(rank: int, cfg_dict: dict, steps: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 import pytest
 
-from harness.launch import RankPool
+from faultbench.harness.launch import RankPool
 
 
 @pytest.fixture(scope="session")

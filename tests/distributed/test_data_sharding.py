@@ -1,7 +1,7 @@
 """Each rank trains on its own disjoint shard of every global batch; shards change every epoch."""
 
-from model.config import get_preset
-from model.run import build_run
+from faultbench.model.config import get_preset
+from faultbench.model.run import build_run
 from tests.distributed.cases import shard_indices
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness.training import train_on_rank, train_reference
-from model.config import get_preset
+from faultbench.harness.training import train_on_rank, train_reference
+from faultbench.model.config import get_preset
 
 STEPS = 16
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.launch import RankFailure
+from faultbench.harness.launch import RankFailure
 from tests.distributed.cases import hang_on, raise_on, whoami
 
 

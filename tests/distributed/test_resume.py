@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness.training import train_on_rank
-from model.config import get_preset
+from faultbench.harness.training import train_on_rank
+from faultbench.model.config import get_preset
 
 STEPS = 12
 

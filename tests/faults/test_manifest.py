@@ -8,8 +8,8 @@ Plugin faults too: ``pytest tests/faults/test_manifest.py --fault-plugin FILE -k
 
 import pytest
 
-from faults.registry import all_faults
-from harness.manifest import prove
+from faultbench.faults.registry import all_faults
+from faultbench.harness.manifest import prove
 
 FAULTS = all_faults(None)
 

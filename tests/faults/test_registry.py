@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from faults import registry
-from faults.inject import diff, fault_function_source, seam_function_source
-from faults.registry import SUBSYSTEMS, TRIGGERS, FaultError, Manifest, all_faults, fault, get_fault, seam_table
+from faultbench.faults import registry
+from faultbench.faults.inject import diff, fault_function_source, seam_function_source
+from faultbench.faults.registry import (
+    SUBSYSTEMS,
+    TRIGGERS,
+    FaultError,
+    Manifest,
+    all_faults,
+    fault,
+    get_fault,
+    seam_table,
+)
 
 FAULTS = all_faults(None)  # every target's
 FAULT_IDS = sorted(FAULTS)
@@ -45,7 +54,7 @@ def test_each_id_is_written_once_across_the_fault_modules_and_every_one_register
     counts = collections.Counter(i for _, i in written)
     twice = {i: [f for f, j in written if j == i] for i, n in counts.items() if n > 1}
     assert not twice, f"fault ids defined more than once: {twice}"
-    builtin = {i for i, s in FAULTS.items() if s.replacements[s.seams[0]].__module__.startswith("faults.")}
+    builtin = {i for i, s in FAULTS.items() if s.replacements[s.seams[0]].__module__.startswith("faultbench.faults.")}
     assert builtin == {i for _, i in written}
 
 
@@ -153,7 +162,7 @@ def _precision(m) -> str:
         return m.variant["train"].get("precision", "fp32")
     if "precision" in m.variant or "recipe" not in m.variant:
         return m.variant.get("precision", "fp32")
-    from targets.hf.recipes import RECIPES
+    from faultbench.targets.hf.recipes import RECIPES
 
     return RECIPES[m.variant["recipe"]].precision
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from faults.inject import fault_function_source, injected, render_tree
-from faults.registry import all_faults
-from harness.scenario import run_scenario
-from model.seams import SEAMS, resolve
+from faultbench.faults.inject import fault_function_source, injected, render_tree
+from faultbench.faults.registry import all_faults
+from faultbench.harness.scenario import run_scenario
+from faultbench.model.seams import SEAMS, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = all_faults()
@@ -80,36 +80,36 @@ def test_injection_runs_the_fault_in_its_seams_only_and_is_undone_on_exit(fault_
 def test_injection_is_undone_when_the_run_raises():
     """A corpus built under a tokenizer fault and a data fault, then an error: on exit the seams, the spliced
     source lines and the tokenizer's disk cache are the clean ones again, and the corpus is rebuilt clean."""
-    import model.tokenizer
-    from model.config import DataConfig
-    from model.data import load_corpus
+    import faultbench.model.tokenizer as model_tokenizer
+    from faultbench.model.config import DataConfig
+    from faultbench.model.data import load_corpus
 
     cfg = DataConfig(num_docs=300)  # small: the faulty tokenizer trains from scratch in a private cache
     clean_corpus = load_corpus(cfg)
     files = {str(ROOT / _source_file(s)) for s in SEAMS}
-    before, lines, shared_cache = _seam_code(), {f: linecache.cache.get(f) for f in files}, model.tokenizer.cache_dir()
+    before, lines, shared_cache = _seam_code(), {f: linecache.cache.get(f) for f in files}, model_tokenizer.cache_dir()
     with pytest.raises(RuntimeError, match="mid-run"), injected("missing_bos", "truncation_drops_eos"):
-        assert model.tokenizer.cache_dir() != shared_cache
+        assert model_tokenizer.cache_dir() != shared_cache
         assert load_corpus(cfg).train != clean_corpus.train
         raise RuntimeError("mid-run")
     assert {s for s, code in _seam_code().items() if code is not before[s]} == set()
     assert {f for f in files if linecache.cache.get(f) != lines[f]} == set()
-    assert model.tokenizer.cache_dir() == shared_cache
+    assert model_tokenizer.cache_dir() == shared_cache
     assert load_corpus(cfg).train == clean_corpus.train
 
 
 def test_several_faults_compose_and_two_on_one_seam_are_refused():
-    import model.attention
-    import model.loss
-    from faults.registry import FaultError
+    import faultbench.model.attention as model_attention
+    import faultbench.model.loss as model_loss
+    from faultbench.faults.registry import FaultError
 
     loss_fault = "label_shift_off_by_one"
     mask_fault = next(f for f, s in FAULTS.items() if s.seams == ("model.attention.build_attention_mask",))
-    before = (model.loss.lm_loss.__code__, model.attention.build_attention_mask.__code__)
+    before = (model_loss.lm_loss.__code__, model_attention.build_attention_mask.__code__)
     with injected(loss_fault, mask_fault):
-        after = (model.loss.lm_loss.__code__, model.attention.build_attention_mask.__code__)
+        after = (model_loss.lm_loss.__code__, model_attention.build_attention_mask.__code__)
         assert all(a is not b for a, b in zip(after, before, strict=True))
-    assert (model.loss.lm_loss.__code__, model.attention.build_attention_mask.__code__) == before
+    assert (model_loss.lm_loss.__code__, model_attention.build_attention_mask.__code__) == before
     twins = [f for f, s in FAULTS.items() if "model.loss.lm_loss" in s.seams][:2]
     with pytest.raises(FaultError, match="both replace model.loss.lm_loss"):
         with injected(*twins):

@@ -11,14 +11,14 @@ import dataclasses
 import pytest
 import torch
 
-import targets
+from faultbench import targets
 
 torch.set_num_threads(1)
 targets.get("hf")  # sets HF_HUB_OFFLINE before transformers is imported anywhere in the session
 
-from targets.hf.hooks import train  # noqa: E402
-from targets.hf.recipes import RECIPES  # noqa: E402
-from targets.hf.run import build_run  # noqa: E402
+from faultbench.targets.hf.hooks import train  # noqa: E402
+from faultbench.targets.hf.recipes import RECIPES  # noqa: E402
+from faultbench.targets.hf.run import build_run  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):

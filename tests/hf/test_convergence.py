@@ -19,10 +19,10 @@ import torch
 import transformers
 from transformers import DataCollatorForLanguageModeling
 
-from harness.case import source_digest
-from targets.hf.hooks import train
-from targets.hf.recipes import RECIPES
-from targets.hf.run import build_run
+from faultbench.harness.case import source_digest
+from faultbench.targets.hf.hooks import train
+from faultbench.targets.hf.recipes import RECIPES
+from faultbench.targets.hf.run import build_run
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 300

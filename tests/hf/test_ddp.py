@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from harness.launch import RankPool
-from targets.hf.hooks import train
-from targets.hf.recipes import RECIPES
-from targets.hf.run import build_run
+from faultbench.harness.launch import RankPool
+from faultbench.targets.hf.hooks import train
+from faultbench.targets.hf.recipes import RECIPES
+from faultbench.targets.hf.run import build_run
 from tests.hf.conftest import max_gap, params
 
 TOL = 1e-5  # measured: parameters 1.1e-6 apart after 16 steps (all-reduce of two fp32 halves vs one sum)

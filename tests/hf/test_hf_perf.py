@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from benchmarks.hf_perf import ARMS, LockStep, lockstep_seconds
-from targets.hf.recipes import RECIPES
+from faultbench.targets.hf.recipes import RECIPES
 from tests.hf.conftest import max_gap, params
 
 STEPS = 4

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DataCollatorForLanguageModeling
 
-from model.data import load_corpus
+from faultbench.model.data import load_corpus
 
 TOL = 1e-5  # measured: 1.6e-7 (left) and 1.5e-7 (right)
 

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from faults.registry import all_faults
-from harness.case import SMALL_EPOCH, recipes_for
-from targets.hf.hooks import checkpoint_dir, train
-from targets.hf.recipes import RECIPES
-from targets.hf.run import build_run
+from faultbench.faults.registry import all_faults
+from faultbench.harness.case import SMALL_EPOCH, recipes_for
+from faultbench.targets.hf.hooks import checkpoint_dir, train
+from faultbench.targets.hf.recipes import RECIPES
+from faultbench.targets.hf.run import build_run
 
 SMALL = dataclasses.replace(RECIPES["fp32"].data, **SMALL_EPOCH)  # 143 training documents: 9 steps of 16, one short
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from targets.hf.hooks import checkpoint_dir, train
-from targets.hf.recipes import RECIPES
-from targets.hf.run import build_run
+from faultbench.targets.hf.hooks import checkpoint_dir, train
+from faultbench.targets.hf.recipes import RECIPES
+from faultbench.targets.hf.run import build_run
 from tests.hf.conftest import max_gap, params
 
 

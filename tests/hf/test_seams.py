@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 
-import targets
-from targets.hf.seams import SEAMS, resolve, seams
+from faultbench import targets
+from faultbench.targets.hf.seams import SEAMS, resolve, seams
 
 SUBSYSTEMS = ("data", "collate", "mask", "position", "model", "loss",
               "optimizer", "precision", "checkpoint", "distributed", "eval")

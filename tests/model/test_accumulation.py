@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.loss import count_targets
-from model.run import build_run
-from model.train import forward_loss, next_micro_batches, train_step
+from faultbench.model.loss import count_targets
+from faultbench.model.run import build_run
+from faultbench.model.train import forward_loss, next_micro_batches, train_step
 
 # Accumulated vs single-batch gradients, per parameter tensor: measured max |diff| / max |grad|
 # = 3.4e-7 (accum 2) and 2.9e-7 (accum 4) in fp32; different padding widths change rounding only.

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.loss import count_targets
-from model.precision import autocast_context
-from model.run import build_run
-from model.train import clip_gradients, forward_loss, next_micro_batches, train
+from faultbench.model.loss import count_targets
+from faultbench.model.precision import autocast_context
+from faultbench.model.run import build_run
+from faultbench.model.train import clip_gradients, forward_loss, next_micro_batches, train
 
 K = 15
 # Max deviation from fp32 over the first 15 steps, measured on seeds 0 and 1:

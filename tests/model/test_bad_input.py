@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from model.checkpoint import CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
-from model.config import DataConfig, ModelConfig, TrainConfig, get_preset
-from model.data import collate, load_corpus
-from model.run import build_run
-from model.train import train
+from faultbench.model.checkpoint import CheckpointError, capture_rng_state, load_checkpoint, save_checkpoint
+from faultbench.model.config import DataConfig, ModelConfig, TrainConfig, get_preset
+from faultbench.model.data import collate, load_corpus
+from faultbench.model.run import build_run
+from faultbench.model.train import train
 
 CONFIG_CASES = [
     pytest.param(lambda: ModelConfig(n_embd=64, n_head=6), "does not divide", id="heads-not-dividing-width"),

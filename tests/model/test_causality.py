@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.data import collate
+from faultbench.model.data import collate
 
 # Logits at positions <= t after changing tokens > t: measured max abs diff exactly 0.0 (with and
 # without padding); the changed position itself moves by 2.2-4.9, so a leak cannot hide under ATOL.

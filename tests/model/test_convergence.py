@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from model.evaluate import evaluate
-from model.run import build_run
-from model.train import train
+from faultbench.model.evaluate import evaluate
+from faultbench.model.run import build_run
+from faultbench.model.train import train
 
 # Measured gaps (val - floor, floor = 1.6614) after 300 steps, seeds 0..4:
 # 0.1079, 0.1008, 0.1116, 0.1071, 0.1134. The margin leaves ~0.035 headroom over the worst seed.

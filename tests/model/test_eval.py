@@ -2,10 +2,10 @@
 
 import torch
 
-from model.data import collate
-from model.evaluate import evaluate
-from model.loss import lm_loss
-from model.run import build_run
+from faultbench.model.data import collate
+from faultbench.model.evaluate import evaluate
+from faultbench.model.loss import lm_loss
+from faultbench.model.run import build_run
 
 
 def test_evaluate_is_deterministic_and_in_eval_mode_even_with_dropout(tiny_cfg):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.data import collate
-from model.gpt import KVCache
+from faultbench.model.data import collate
+from faultbench.model.gpt import KVCache
 
 N_NEW = 20
 # fp32 logits of cached vs full forward: measured max abs diff 2.4e-6 on this CPU.

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.data import IGNORE_INDEX, collate
-from model.loss import count_targets, lm_loss
+from faultbench.model.data import IGNORE_INDEX, collate
+from faultbench.model.loss import count_targets, lm_loss
 
 PAD, BOS, EOS = 0, 1, 2
 DOCS = [[BOS, 5, 6, 7, EOS], [BOS, 8, EOS]]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from model.attention import attend, build_attention_mask
-from model.data import collate
+from faultbench.model.attention import attend, build_attention_mask
+from faultbench.model.data import collate
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from model.config import TrainConfig
-from model.optim import configure_optimizer, lr_at
-from model.run import build_run
-from model.train import train
+from faultbench.model.config import TrainConfig
+from faultbench.model.optim import configure_optimizer, lr_at
+from faultbench.model.run import build_run
+from faultbench.model.train import train
 
 CFG = TrainConfig(steps=100, lr=1e-3, min_lr=1e-4, warmup_steps=10)
 

@@ -13,10 +13,10 @@ import math
 
 import pytest
 
-from model.data import collate
-from model.loss import count_targets
-from model.run import build_run
-from model.train import train_step
+from faultbench.model.data import collate
+from faultbench.model.loss import count_targets
+from faultbench.model.run import build_run
+from faultbench.model.train import train_step
 
 TARGET = 0.05
 # Measured with constant lr 3e-3, seeds 0/1/2: loss < 0.05 first at step 82 / 83 / 84.

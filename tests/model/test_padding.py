@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.data import IGNORE_INDEX, collate
-from model.evaluate import evaluate
+from faultbench.model.data import IGNORE_INDEX, collate
+from faultbench.model.evaluate import evaluate
 
 # per-token CE of a real token, padded vs alone: measured max abs diff 9.5e-7 (fp32)
 CE_ATOL = 1e-5

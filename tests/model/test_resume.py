@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.checkpoint import load_checkpoint, save_checkpoint
-from model.run import build_run
-from model.train import train
+from faultbench.model.checkpoint import load_checkpoint, save_checkpoint
+from faultbench.model.run import build_run
+from faultbench.model.train import train
 
 N = 40
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.rope import apply_rope, position_ids_from_mask, rope_at, rope_tables
+from faultbench.model.rope import apply_rope, position_ids_from_mask, rope_at, rope_tables
 
 HS, MAXPOS = 16, 64
 

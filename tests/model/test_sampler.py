@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from model.sampler import ResumableSampler
+from faultbench.model.sampler import ResumableSampler
 
 NUM_ITEMS, BATCH = 103, 10  # 10 full batches per epoch; 3 items dropped each epoch
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-import model.tokenizer as tokenizer_module
-from model.config import DataConfig
-from model.corpus import MarkovSource
-from model.data import collate, load_corpus, truncate
-from model.run import build_run
-from model.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
-from model.train import next_micro_batches
+import faultbench.model.tokenizer as tokenizer_module
+from faultbench.model.config import DataConfig
+from faultbench.model.corpus import MarkovSource
+from faultbench.model.data import collate, load_corpus, truncate
+from faultbench.model.run import build_run
+from faultbench.model.tokenizer import SPECIAL_TOKENS, Tokenizer, train_tokenizer
+from faultbench.model.train import next_micro_batches
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """Shared by the peers' end-to-end tests."""
 
-from harness.case import Case, run_case
+from faultbench.harness.case import Case, run_case
 
 
 def run_with_peer(detector: str, faults: tuple[str, ...]) -> dict:
     """One fp32 case (seed 0) with a peer's plugin detector alone."""
-    return run_case(Case("fp32", 0, faults, (detector,), (f"peers.{detector}_peer",)))
+    return run_case(Case("fp32", 0, faults, (detector,), (f"faultbench.peers.{detector}_peer",)))

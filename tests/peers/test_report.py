@@ -2,8 +2,8 @@
 
 import json
 
-from harness.report import TIMING_COLUMNS, write_csv
-from peers.report import TOOLS, beats, per_fault, render, tool_scores
+from faultbench.harness.report import TIMING_COLUMNS, write_csv
+from faultbench.peers.report import TOOLS, beats, per_fault, render, tool_scores
 
 
 def _row(detector, fault, seed, detected, sub=False, seam=False, latency=None, train_s=1.0, step_s=0.0, error=""):

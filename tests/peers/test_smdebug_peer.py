@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from torch import nn
 
-from peers.smdebug_peer import (
+from faultbench.peers.smdebug_peer import (
     Firing,
     SageMakerDebugger,
     all_zero,

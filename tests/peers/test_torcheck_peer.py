@@ -5,7 +5,15 @@ around the rule) is tested with our detectors' in tests/detectors/test_honesty.p
 import pytest
 from torch import nn
 
-from peers.torcheck_peer import MAPPING, Issue, Torcheck, findings_for, module_seam, parse_issues, shared_seam
+from faultbench.peers.torcheck_peer import (
+    MAPPING,
+    Issue,
+    Torcheck,
+    findings_for,
+    module_seam,
+    parse_issues,
+    shared_seam,
+)
 from tests.peers.helpers import run_with_peer
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from model.seams import SEAMS, SUBSYSTEMS
-from peers.traincheck_peer import (
+from faultbench.model.seams import SEAMS, SUBSYSTEMS
+from faultbench.peers.traincheck_peer import (
     API_SUBSYSTEMS,
     api_subsystem,
     findings_for,
@@ -70,7 +70,7 @@ def test_without_a_stack_the_api_names_the_subsystem():
 def test_a_method_frame_is_told_apart_by_its_line():
     import inspect
 
-    from model.gpt import GPT, Block
+    from faultbench.model.gpt import GPT, Block
 
     for cls, seam in ((Block, "model.gpt.Block.forward"), (GPT, "model.gpt.GPT.forward")):
         _, first = inspect.getsourcelines(cls.forward)
@@ -105,8 +105,8 @@ def test_findings_are_ranked_and_see_only_the_tool_output():
 def test_end_to_end_one_fault_and_one_clean_case(tmp_path):
     """Real TrainCheck (slow: the fp32 invariants take ~4 minutes the first time, then they are cached)."""
     pytest.importorskip("traincheck")
-    from harness.score import case_rows
-    from peers.traincheck_peer import build_cases, run_matrix, write_results
+    from faultbench.harness.score import case_rows
+    from faultbench.peers.traincheck_peer import build_cases, run_matrix, write_results
 
     cases, faults = build_cases((0,), ["huge_lr"])
     cases = [c for c in cases if c.recipe == "fp32"]  # the fault's case and the clean fp32 case

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import faultbench
-from detectors.blackbox.gradients import _GradientDetector, implied
+from faultbench.detectors.blackbox.gradients import _GradientDetector, implied
 from faultbench.watch import IMPLIED_LOSS_EVERY
 from tests.watch.nanogpt import TrainConfig, train
 
@@ -212,7 +212,7 @@ def test_a_golden_envelope_with_the_users_weight_sums_accepts_a_summed_loss():
 # ---- a tiny HF Llama: the model computes the loss from `labels` itself (it shifts them)
 @pytest.fixture(scope="module")
 def llama():
-    import targets
+    from faultbench import targets
 
     targets.get("hf")  # offline hub before transformers is imported
     from transformers import LlamaConfig, LlamaForCausalLM

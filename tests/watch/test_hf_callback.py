@@ -9,16 +9,16 @@ import functools
 import pytest
 import torch
 
-import targets
+from faultbench import targets
 
 torch.set_num_threads(1)
 targets.get("hf")  # sets HF_HUB_OFFLINE before transformers is imported
 
+from faultbench.faults.inject import injected  # noqa: E402
+from faultbench.faults.registry import get_fault  # noqa: E402
 from faultbench.hf import FaultbenchCallback  # noqa: E402
-from faults.inject import injected  # noqa: E402
-from faults.registry import get_fault  # noqa: E402
-from targets.hf.recipes import RECIPES  # noqa: E402
-from targets.hf.run import build_run  # noqa: E402
+from faultbench.targets.hf.recipes import RECIPES  # noqa: E402
+from faultbench.targets.hf.run import build_run  # noqa: E402
 
 # fault -> (recipe, where the top finding must point)
 FAULTS = {
@@ -82,8 +82,8 @@ RESUMED = {
 def resumed(fault: str | None, tmp: str, seed: int = 0):
     """(first watch, resumed watch) of the resume recipe: train to resume_at with a checkpoint, then a fresh Trainer
     resumed from it, each with a FaultbenchCallback; the golden is two clean runs of the recipe on other seeds."""
+    from faultbench.targets.hf.hooks import checkpoint_dir, train
     from faultbench.watch import record_golden
-    from targets.hf.hooks import checkpoint_dir, train
 
     recipe = RECIPES["resume"]
 

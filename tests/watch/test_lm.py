@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-import targets
+from faultbench import targets
 
 targets.get("hf")  # HF_HUB_OFFLINE before transformers is imported
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from detectors.blackbox.lm import CausalLM  # noqa: E402
+from faultbench.detectors.blackbox.lm import CausalLM  # noqa: E402
 from tests.watch import nanogpt  # noqa: E402
 
 torch.set_num_threads(1)
@@ -132,8 +132,8 @@ def test_the_trial_call_leaves_training_mode_and_the_rng_as_they_were():
 def test_the_reference_gpt_generates_through_its_own_cache_with_logits_caught_by_a_forward_hook():
     """A generate that is not transformers' (max_new_tokens, its own KV cache, returns only the sequences): the
     logits of each decode call come from a forward hook and equal one forward over the generated sequence."""
-    from model.config import ModelConfig
-    from model.gpt import GPT
+    from faultbench.model.config import ModelConfig
+    from faultbench.model.gpt import GPT
 
     torch.manual_seed(0)
     lm = CausalLM.wrap(GPT(ModelConfig(vocab_size=64)).eval())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import faultbench
-from detectors.api import SUBSYSTEMS
+from faultbench.detectors.api import SUBSYSTEMS
 from tests.watch.nanogpt import TrainConfig, build, train
 
 SEEDS = (0, 1)

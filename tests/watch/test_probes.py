@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from detectors.api import NotApplicable
-from detectors.blackbox import probes
-from detectors.blackbox.lm import CausalLM
-from faults.inject import injected
+from faultbench.detectors.api import NotApplicable
+from faultbench.detectors.blackbox import probes
+from faultbench.detectors.blackbox.lm import CausalLM
+from faultbench.faults.inject import injected
 from tests.watch import nanogpt
 from tests.watch.test_lm import ids, llama
 
@@ -43,8 +43,8 @@ def broken(results: dict) -> dict:
 
 def ref_gpt(seed: int):
     """The reference GPT (RoPE, its own cache and generate) on a 64-token vocabulary."""
-    from model.config import ModelConfig
-    from model.gpt import GPT
+    from faultbench.model.config import ModelConfig
+    from faultbench.model.gpt import GPT
 
     torch.manual_seed(seed)
     return CausalLM.wrap(GPT(ModelConfig(vocab_size=64)).eval())
@@ -283,8 +283,8 @@ def hf_trainer_run(tmp_path_factory):
     import dataclasses
 
     from faultbench.hf import FaultbenchCallback
-    from targets.hf.recipes import RECIPES
-    from targets.hf.run import build_run
+    from faultbench.targets.hf.recipes import RECIPES
+    from faultbench.targets.hf.run import build_run
 
     def findings(fault: str | None, recipe: str = "fp32") -> set:
         with injected(*([fault] if fault else [])):
@@ -344,7 +344,7 @@ class Autocast(torch.nn.Module):
 def test_a_probe_silent_in_a_bf16_round_runs_again_at_the_end_an_fp32_one_does_not(dtype):
     """Causality holds at step 0 and breaks later (the fault injected for the end only): a bf16 round, whose
     rounding may hide an untrained model's faint leak, is checked again at the end; an fp32 round is not."""
-    from detectors.blackbox.api import WatchContext
+    from faultbench.detectors.blackbox.api import WatchContext
 
     model = Autocast(llama(0), dtype)
     ctx = WatchContext(model, torch.optim.SGD(model.parameters(), lr=0.1))

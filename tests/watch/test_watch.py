@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import faultbench
-from detectors.api import DETECTORS, Finding, NotApplicable, all_detectors
-from detectors.blackbox.api import BlackBoxDetector
+from faultbench.detectors.api import DETECTORS, Finding, NotApplicable, all_detectors
+from faultbench.detectors.blackbox.api import BlackBoxDetector
 from tests.watch.nanogpt import TrainConfig, build, get_batch
 
 CFG = TrainConfig(amp=True, gradient_accumulation_steps=2)
