@@ -21,7 +21,7 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	touch $@
 
 test: setup
-	$(PY) -m pytest -n auto --dist loadgroup -q
+	$(PY) -m pytest -n auto --dist loadgroup -q --durations=25
 
 # The main job: every fault x 3 seeds plus the clean matrix of both targets (ref, hf), scored; writes results/
 # (cached per case). `faultbench bench --target ref|hf` runs one target.
