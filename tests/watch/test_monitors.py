@@ -304,3 +304,55 @@ def test_no_per_parameter_hook_runs_in_the_steps_without_a_scaler_and_one_with_i
             assert w._last_param is not None and len(w._grad_handles) == len(w._trainable)
         else:
             assert w._grad_handles == {} and all(r.backward_norm is None for r in w.ctx.history)
+
+
+# ---- across ranks: two gloo processes, each a replica of the same loop -------------------------------------------
+def _rank_loop(rank: int, world: int, init: str, bug: str | None, out) -> None:
+    """One rank of a data-parallel loop that averages its gradients by hand (all_reduce / world), under a watch
+    with bb_cross_rank; ``bug``: "not_averaged" (rank 1 skips the all-reduce), "same_data" (every rank draws the
+    batches of rank 0). Puts (rank, [(detector, subsystem, where, step)]) on ``out``."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model, optimizer, _ = build(TrainConfig(), seed=0)  # the same initial weights on every rank
+        batches = _batches(0 if bug == "same_data" else rank, n=5)
+        w = faultbench.watch(model, optimizer, report=False, detectors=["bb_cross_rank"])
+        with w:
+            for x, y in batches:
+                model(x, y)[1].backward()
+                if not (bug == "not_averaged" and rank == 1):
+                    for p in model.parameters():
+                        torch.distributed.all_reduce(p.grad)
+                        p.grad /= world
+                else:  # keeps the collectives paired: rank 0 reduces with rank 1's zeros
+                    for p in model.parameters():
+                        torch.distributed.all_reduce(torch.zeros_like(p.grad))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        out.put((rank, [(f.detector, f.subsystem, f.where, f.step) for f in w.findings], sorted(w.not_applicable)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("bug", [None, "not_averaged", "same_data"], ids=str)
+def test_replicas_are_compared_across_ranks(bug, tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = f"file://{tmp_path}/rendezvous"
+    procs = [ctx.Process(target=_rank_loop, args=(r, 2, init, bug, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (f, na)) for r, f, na in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+    assert all(p.exitcode == 0 for p in procs)
+    assert all(na == [] for _, na in results.values())  # the check ran on both ranks
+    findings = {r: f for r, (f, _) in results.items()}
+    if bug is None:
+        assert findings == {0: [], 1: []}
+    elif bug == "not_averaged":  # both ranks see it at the first check after the replicas diverged (step 1)
+        assert findings[0] == findings[1] == [("bb_cross_rank", "distributed", "ranks", 1)]
+    else:
+        assert findings[0] == findings[1] == [("bb_cross_rank", "distributed", "data loader", 0)]
