@@ -126,6 +126,8 @@ class Watch:
         self._last_param = None  # under a scaler: the parameter whose gradient a backward completes last
         self._grad_handles: dict = {}
         self._eval_handles: list = []  # after exit: forward hooks for evaluations only (watch_evaluations)
+        self._eval_call = False  # the forward in flight is an evaluation one (its hook time is not step time)
+        self._forward_hooks = (self._before_forward, self._after_forward)
         self.detectors = _instantiate(detectors)
         self.print_report, self.out = report, out
         self.not_applicable: dict[str, str] = {}
@@ -249,12 +251,15 @@ class Watch:
             except Exception as e:  # the user's loop must go on: report it instead
                 self.errors.setdefault(f"watch.{fn.__name__.lstrip('_')}", f"{type(e).__name__}: {e}")
             own = time.perf_counter() - start - (self._fired_s - fired)
-            self.step_seconds["watch"] = self.step_seconds.get("watch", 0.0) + own
+            # an evaluation forward's hooks run outside the training steps: not the loop's overhead
+            timer = self.other_seconds if fn in self._forward_hooks and self._eval_call else self.step_seconds
+            timer["watch"] = timer.get("watch", 0.0) + own
             return None
 
         return hook
 
     def _before_forward(self, module, args, kwargs) -> None:
+        self._eval_call = not (torch.is_grad_enabled() and module.training)
         self._pending = self.ctx.pending_batch = normalize_call(self._signature, args, kwargs)
         if self.ctx.rng_at_start is None and torch.is_grad_enabled() and module.training:
             self.ctx.rng_at_start = torch.get_rng_state()  # the global RNG as the first training forward finds it
