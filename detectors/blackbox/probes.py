@@ -36,6 +36,7 @@ PAD_LEN = 3  # pads added on each side in the padding probe
 SHIFT = 3  # positions added in the position-shift probe
 PROMPT_LEN, NEW_TOKENS = 8, 2  # the cache probe's prompt (real tokens) and the tokens generate decodes
 SCALE_FACTOR = 2.0  # a next-token loss over this many times ln V before training: logits far too large
+COARSE = 1e-3  # a round's tolerance above this: its forwards ran in bf16 / fp16
 
 
 @dataclass(frozen=True)
@@ -351,6 +352,11 @@ class ProbeRound:
     def plain_row(self, name: str) -> torch.Tensor:
         fwd = self.plain()
         return fwd.ids[self._plain_rows[name]: self._plain_rows[name] + 1]
+
+    @property
+    def tol(self) -> float:
+        """The plain forward's tolerance (its coarsest dtype); fp32's when it did not run."""
+        return self._plain.tol if self._plain is not None else tolerance_of(set())
 
     def _logits(self, name: str) -> torch.Tensor:
         i = self._plain_rows[name]
@@ -707,16 +713,18 @@ def round_result(ctx, probe: str) -> ProbeResult | None:
 
 class _ActiveProbe(BlackBoxDetector):
     """Runs its probe of the shared round once, before the loop's first optimizer step (findings carry step 0),
-    on the batch that step trains on; if that batch is too short, before a later step, or at the end. One round
-    per run: none at the end once it ran."""
+    on the batch that step trains on; if that batch is too short, before a later step, or at the end. A ``RECHECK``
+    probe silent in a round whose forwards ran in a coarse dtype (bf16, fp16) runs again at the end: an untrained
+    model's faint position or context dependence stays under that rounding, a trained one's does not."""
 
     passive = False
     PROBE: str
     CONFIDENCE = 0.7
+    RECHECK = False  # a faint dependence an untrained model hides under bf16 rounding: checked again at the end
 
     def __init__(self) -> None:
         super().__init__()
-        self.done = False
+        self.done = self.coarse = False
 
     def on_before_step(self, ctx) -> None:
         if not self.done:
@@ -724,13 +732,14 @@ class _ActiveProbe(BlackBoxDetector):
                 self._run(ctx)
 
     def on_end(self, ctx) -> None:
-        if not self.done:  # the loop never stepped, or only on batches too short to probe
+        if not self.done or (self.RECHECK and self.coarse and not self.findings):
             with contextlib.suppress(ShortBatch):
                 self._run(ctx)
 
     def _run(self, ctx) -> None:
         result = round_result(ctx, self.PROBE)
         self.done = True
+        self.coarse = _ROUNDS[ctx][1].tol > COARSE
         if result is not None:
             self.report(ctx, result.subsystem, result.where, result.message,
                         {"gap": result.gap, **result.evidence}, confidence=self.CONFIDENCE)
@@ -760,6 +769,7 @@ class BlackBoxCausality(_ActiveProbe):
     family = "mask"
     description = "tokens after t changed in a copy of the loop's row: logits before t must not move"
     PROBE = "causality"
+    RECHECK = True
     CONFIDENCE = 0.85
 
 
@@ -786,6 +796,7 @@ class BlackBoxPositionShift(_ActiveProbe):
     family = "position"
     description = "every position id + 3: a model with relative (rotary) positions gives the same logits"
     PROBE = "position_shift"
+    RECHECK = True
 
 
 @register
@@ -794,6 +805,7 @@ class BlackBoxAttentionDistribution(_ActiveProbe):
     family = "model"
     description = "one token repeated, relative positions: every position gives the same logits (weights sum to 1)"
     PROBE = "attention_distribution"
+    RECHECK = True
     CONFIDENCE = 0.9
 
 

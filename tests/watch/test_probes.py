@@ -328,12 +328,25 @@ def test_a_model_that_raises_without_its_optional_mask_is_a_mask_finding_in_the_
     assert {k for k, v in results.items() if v == "n/a"} >= {"determinism", "position_shift"}  # nothing else to say
 
 
-def test_one_round_per_run_at_step_0_and_none_at_the_end():
-    """A probe detector runs its round before the first optimizer step (its finding carries step 0) and not
-    again at the end, even if the property breaks later (the fault injected for the end only)."""
+class Autocast(torch.nn.Module):
+    """The HF tiny Llama with its forward under CPU autocast (as accelerate wraps it for bf16 training)."""
+
+    def __init__(self, inner: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        with torch.autocast("cpu", self.dtype, enabled=self.dtype != torch.float32):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_probe_silent_in_a_bf16_round_runs_again_at_the_end_an_fp32_one_does_not(dtype):
+    """Causality holds at step 0 and breaks later (the fault injected for the end only): a bf16 round, whose
+    rounding may hide an untrained model's faint leak, is checked again at the end; an fp32 round is not."""
     from faultbench.detectors.blackbox.api import WatchContext
 
-    model = llama(0)
+    model = Autocast(llama(0), dtype)
     ctx = WatchContext(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ctx.last_batch = {"input_ids": ids(64, (2, 16))}
     detector = probes.BlackBoxCausality()
@@ -342,8 +355,4 @@ def test_one_round_per_run_at_step_0_and_none_at_the_end():
     ctx.step = 16
     with injected("hf_causal_mask_off_by_one"):
         detector.on_end(ctx)
-    assert detector.findings == []
-    fresh = probes.BlackBoxCausality()
-    with injected("hf_causal_mask_off_by_one"):
-        fresh.on_end(ctx)  # a loop that never stepped: probed at the end
-    assert [(f.step, f.subsystem) for f in fresh.findings] == [(16, "mask")]
+    assert [(f.step, f.subsystem) for f in detector.findings] == ([(16, "mask")] if dtype == torch.bfloat16 else [])
