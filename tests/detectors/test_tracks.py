@@ -3,7 +3,7 @@ faultbench.watch only, and each track is scored apart (harness/watched.py, harne
 
 import pytest
 
-from faultbench.detectors.api import black_box_suite_ids, resolve_ids, suite_ids
+from faultbench.detectors.api import black_box_suite_ids, suite_ids
 from faultbench.harness.case import Case, execute
 from faultbench.harness.score import BLACKBOX, SUITE, case_rows, seam_of
 
@@ -11,7 +11,8 @@ from faultbench.harness.score import BLACKBOX, SUITE, case_rows, seam_of
 @pytest.fixture(scope="module")
 def clean_runs():
     """The clean fp32 case with the white-box suite alone and with both tracks."""
-    return {ids: execute(Case("fp32", 0, (), ids)) for ids in (tuple(suite_ids()), tuple(resolve_ids(["all"])))}
+    both = tuple(suite_ids() + black_box_suite_ids())  # not "all": a peer plugin loaded by another test registers too
+    return {ids: execute(Case("fp32", 0, (), ids)) for ids in (tuple(suite_ids()), both)}
 
 
 def test_watching_the_run_changes_nothing_of_it_and_finds_nothing_on_a_clean_run(clean_runs):
@@ -23,7 +24,7 @@ def test_watching_the_run_changes_nothing_of_it_and_finds_nothing_on_a_clean_run
 
 
 def test_a_causal_leak_is_found_by_both_tracks_and_each_is_scored_apart():
-    ids = tuple(resolve_ids(["all"]))
+    ids = tuple(suite_ids() + black_box_suite_ids())
     record = execute(Case("fp32", 0, ("no_causal_mask",), ids))
     black = [f for f in record["findings"] if f["detector"] in black_box_suite_ids()]
     assert black and black[0]["subsystem"] == "mask" and black[0]["seam"] is None
