@@ -19,6 +19,7 @@ Definitions (per detector, and for the suite = the union of the non-baseline det
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 from faultbench import targets
@@ -75,6 +76,12 @@ def target_of(record: dict) -> str:
     return record["case"].get("target", "ref")
 
 
+@functools.cache
+def _seam_table(target: str) -> dict[str, str]:
+    """A target's seam table, built once per process (the scorer reads it for every case record)."""
+    return targets.get(target).seams()
+
+
 def seam_of(finding: dict, seams) -> str | None:
     """The finding's seam; for a black-box finding (no seam, a ``where`` in the user's terms) the seam its module
     names, if the target's seam table (``seams``) has that class's forward."""
@@ -86,7 +93,7 @@ def seam_of(finding: dict, seams) -> str | None:
 
 def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str], blackbox_ids=()) -> list[dict]:
     """One row per detector of the case, and one per track's suite when the case ran detectors of it."""
-    seams = targets.get(target_of(record)).seams()
+    seams = _seam_table(target_of(record))
     record = {**record, "findings": [{**f, "seam": seam_of(f, seams)} for f in record["findings"]]}
     case = record["case"]
     fault = faults[case["faults"][0]] if case["faults"] else None

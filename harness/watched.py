@@ -77,7 +77,8 @@ class Watched:
 
     def merge_into(self, out: dict) -> None:
         """Add the black-box findings, errors, not-applicable reasons and hook times to a case record."""
-        findings = [_with_class(f.to_dict(), w) for w in self.watches for f in w.findings]
+        findings = [_with_class(f.to_dict(), modules) for w in self.watches
+                    for modules in [dict(w.ctx.model.named_modules())] for f in w.findings]
         out["findings"] = sorted(out["findings"] + findings, key=rank_key)
         for w in self.watches:
             for det, error in w.errors.items():
@@ -100,10 +101,10 @@ def envelope(golden: dict | None) -> dict | None:
     return record_golden(histories) if histories else None
 
 
-def _with_class(finding: dict, watch) -> dict:
+def _with_class(finding: dict, modules: dict) -> dict:
     """The finding with ``where_class``, the qualified class name of the module its ``where`` names in the watched
-    model (None for other places): what the scorer maps to a seam of the target (detectors never do)."""
-    modules = dict(watch.ctx.model.named_modules())
+    model (``modules``: its named modules; None for other places): what the scorer maps to a seam of the target
+    (detectors never do)."""
     module = modules.get(finding.get("where") or "\0")
     finding["where_class"] = None if module is None else f"{type(module).__module__}.{type(module).__qualname__}"
     return finding
