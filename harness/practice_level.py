@@ -6,7 +6,9 @@ Difficulty adds three measured or declared costs:
 - the symptom's distance from its cause (a crash's traceback stops near it; a silent quality loss, a
   desync or a slowdown says nothing about where);
 - the signals: how many detectors of the committed bench (results/bench.csv) localized the fault's
-  subsystem first on every seed. Many independent signals (4 or more) make it easier, a single one harder.
+  subsystem first on every seed, counted per track (white-box, black-box: each track is one way of looking,
+  and the suite rows are unions, not signals) and taken from the track with more. Many independent signals
+  (4 or more) make it easier, a single one harder.
 The README then shows less of the evidence the harder the exercise: an easy one shows the colleague's
 whole log and the healthy run's first steps; a medium one the whole log and only the healthy run's end
 numbers; a hard one the loss column only (no gradient norm, no loss scale: numbers whose ratio to a
@@ -25,6 +27,7 @@ _TRIGGER_COST = {"always": 0, "amp-only": 1, "eval-only": 1, "after-step": 1, "r
 _SYMPTOM_COST = {"crash-shape": 0, "crash-dtype": 0, "crash-index": 0, "crash-state": 0, "nan": 0, "divergence": 1,
                  "stall": 1, "eval-metric": 1, "hang": 1, "slowdown": 2, "memory-growth": 2, "silent-quality": 2,
                  "desync": 2}
+_SUITE_ROWS = ("suite", "blackbox")  # bench.csv's per-track union rows
 LOUD, QUIET = 4, 1  # detectors localizing it on every seed: at least LOUD is easier, at most QUIET harder
 
 # hint 1: what to look at for the symptom class (specific to it), then what the trigger adds
@@ -80,7 +83,7 @@ def _localizers(results: Path) -> dict[str, list[str]]:
     hits: dict[tuple[str, str], list[bool]] = {}
     with path.open() as f:
         for row in csv.DictReader(f):
-            if row["detector"] != "suite":
+            if row["detector"] not in _SUITE_ROWS:
                 hits.setdefault((row["fault"], row["detector"]), []).append(float(row["rr_subsystem"] or 0) == 1.0)
     out: dict[str, list[str]] = {}
     for (fault, detector), ok in sorted(hits.items()):
@@ -94,9 +97,16 @@ def localizing_detectors(fault_id: str, results: Path) -> list[str]:
 
 
 def signals(fault_id: str, results: Path) -> int | None:
-    """How many detectors localize the fault's subsystem first on every bench seed (None: not benched)."""
+    """How many detectors of one track localize the fault's subsystem first on every bench seed, in the track
+    with more of them (None: not benched)."""
+    from faultbench.detectors.api import all_detectors
+
     found = _localizers(results)
-    return len(found[fault_id]) if fault_id in found else None
+    if fault_id not in found:
+        return None
+    registry = all_detectors()
+    tracks = [getattr(registry.get(d), "track", "white-box") for d in found[fault_id]]
+    return max((tracks.count(t) for t in set(tracks)), default=0)
 
 
 def difficulty(spec, results: Path) -> str:
