@@ -340,7 +340,7 @@ BUILTIN_MODULES = (
     "faultbench.detectors.distributed", "faultbench.detectors.eval", "faultbench.detectors.resources",
     "faultbench.detectors.baselines",
     "faultbench.detectors.blackbox.monitors", "faultbench.detectors.blackbox.probes",
-    "faultbench.detectors.blackbox.gradients",
+    "faultbench.detectors.blackbox.gradients", "faultbench.detectors.blackbox.evaluation",
 )
 _loaded = False
 

@@ -10,7 +10,8 @@ wrapper) and detaches it when training ends. A resumed ``train()`` is watched fr
 watch of the callback's previous ``train()`` (or ``previous=``) is handed to it: what the run trained on before.
 Evaluations run inside ``train()`` are watched, and so is ``trainer.evaluate()`` called after it (the model keeps
 two forward hooks for evaluation forwards until the next ``train()`` or ``close()``): their findings join
-``watch.findings`` after the report printed when training ended.
+``watch.findings`` after the report printed when training ended. Each evaluation's reported loss is handed to
+the watch, which checks it against the next-token NLL of the evaluation forwards it saw.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from faultbench.watch import Watch
 
 class FaultbenchCallback(TrainerCallback):
     """``watch_kwargs``: passed to ``faultbench.watch`` (detectors, golden, report, out, ...). ``watch`` is the
-    last run's ``Watch`` (its findings, JSON and report) once training has begun."""
+    last run's ``Watch`` (its findings, JSON and report) once training has begun. ``check_eval_loss=False``: the
+    evaluation loss is not handed to the watch (a custom ``compute_loss``: Trainer's loss is not the NLL)."""
 
-    def __init__(self, previous: Watch | None = None, **watch_kwargs):
-        self.watch_kwargs = watch_kwargs
+    def __init__(self, previous: Watch | None = None, check_eval_loss: bool = True, **watch_kwargs):
+        self.watch_kwargs, self.check_eval_loss = watch_kwargs, check_eval_loss
         self.watch: Watch | None = None
         self.previous = previous  # the watch of the run's segment before this one (a resume), if any
 
@@ -42,8 +44,22 @@ class FaultbenchCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.watch is not None and self.watch.attached:
+            self.watch.ctx.evaluations_follow = True  # evaluate() after train() is still watched
             self.watch.__exit__(None, None, None)
             self.watch.watch_evaluations()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Trainer's ``grad_norm`` (the norm it clipped, of its last step) to the watch (``Watch.observe``)."""
+        if self.watch is not None and self.watch.attached and (logs or {}).get("grad_norm") is not None:
+            self.watch.observe(grad_norm=logs["grad_norm"])
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """Trainer's evaluation loss (``eval_loss``, or the one ``*_loss`` of another metric prefix) to the watch
+        (``Watch.observe(eval_loss=...)``): gathered over the ranks, on every rank. Not under label smoothing, nor
+        with ``check_eval_loss=False`` (a Trainer whose loss is not the model's next-token cross-entropy)."""
+        losses = [v for k, v in (metrics or {}).items() if k.endswith("_loss")]
+        if self.watch is not None and self.check_eval_loss and not args.label_smoothing_factor and len(losses) == 1:
+            self.watch.observe(eval_loss=losses[0], across_ranks=args.world_size > 1)
 
     def close(self) -> None:
         """Remove the hooks kept for evaluations after training."""

@@ -24,7 +24,8 @@ What it attaches (all removed on exit, also when the block raises; nothing of to
   the step's loss when no loss was observed, on every ``IMPLIED_LOSS_EVERY``-th step (from the first; the
   others keep None: two passes over the logits cost a few % of a small model's step).
 Detector errors never reach the loop: they are kept in the report. ``observe(loss=...)`` gives the loss of a
-loop whose model does not return it.
+loop whose model does not return it; ``observe(eval_loss=...)`` the evaluation loss the loop reports (checked
+against the evaluation forwards' own next-token NLL).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import torch
 
 from faultbench.detectors.api import Finding, NotApplicable, all_detectors, rank_findings
 from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
-from faultbench.detectors.blackbox.batches import batch_hash, layout, row_hashes, special_ids
+from faultbench.detectors.blackbox.batches import FRACTIONS as LAYOUT_FRACTIONS
+from faultbench.detectors.blackbox.batches import batch_hash, layout, layout_fractions, row_hashes, special_ids
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -162,10 +164,21 @@ class Watch:
         """Whether the hooks are in (between enter and exit)."""
         return bool(self._handles)
 
-    def observe(self, loss=None) -> None:
-        """The loss of the current micro-batch, for loops whose model does not return one."""
+    def observe(self, loss=None, eval_loss=None, across_ranks: bool = False, grad_norm=None) -> None:
+        """What the loop computed itself. ``loss``: the loss of the current micro-batch, for loops whose model does
+        not return one. ``eval_loss``: the evaluation loss the loop reports (mean next-token cross-entropy of the
+        evaluation it just ran, without label smoothing), checked against the evaluation forwards the watch saw
+        since the last training forward; ``across_ranks=True``: the value covers every rank's share of the
+        evaluation (gathered, as Trainer's ``eval_loss``) and every rank calls ``observe`` with it. ``grad_norm``:
+        the norm the loop reports for the gradients of the step it just took (the norm it clipped), after the step."""
         if loss is not None:
             self._losses.append(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+        if eval_loss is not None:
+            value = float(eval_loss.detach() if isinstance(eval_loss, torch.Tensor) else eval_loss)
+            self._fire("on_eval_loss", self.ctx, value, across_ranks)
+        if grad_norm is not None:
+            self._fire("on_grad_norm", self.ctx, float(grad_norm.detach() if isinstance(grad_norm, torch.Tensor)
+                                                        else grad_norm))
 
     def to_dict(self) -> dict:
         return {"steps": self.ctx.step, "findings": [f.to_dict() for f in self.findings],
@@ -337,7 +350,9 @@ class Watch:
             for key, value in counts.items():
                 self._layout[key] = max(self._layout[key], value) if key == "len" else self._layout.get(key, 0) + value
 
-    EVAL_MIN_TOKENS = 8  # shorter rows (prompts, token-by-token decoding) are not evaluated documents
+    # a one-token row is a decoding step, not a document; short documents count: duplicates among them are what a
+    # leaky split shares with training first
+    EVAL_MIN_TOKENS = 2
 
     def _eval_fingerprint(self, batch: dict) -> None:
         """An evaluation batch's documents (rows of EVAL_MIN_TOKENS real tokens or more) that the run trained on:
@@ -406,7 +421,8 @@ class Watch:
         ctx.step += 1
         record = StepRecord(ctx.step, loss, before["lrs"], before["grad_norm"], before["backward_norm"],
                             before["scale"], skipped, self._micro, self._batches, self._layout,
-                            ctx.optimizer_count(), None if ctx.history else ctx.group_config())
+                            ctx.optimizer_count(), None if ctx.history else ctx.group_config(),
+                            model=None if ctx.history else ctx.model_structure())
         for h in self._batches:
             ctx.batches_seen.setdefault(h, ctx.step)
         ctx.rng_at_step = torch.get_rng_state()  # a 5 KB copy; compared only at a resume
@@ -484,7 +500,9 @@ def record_golden(runs, path=None) -> dict:
          "final_loss": [lo, hi],
          "scaled": every run stepped under an enabled loss scaler,
          "groups": the optimizer's param groups as configured (WatchContext.group_config), when all runs agree,
-         "layout": {"bos" | "bos2" | "eos": [lo, hi] fraction of the training rows}, "max_len": int,
+         "model": the model's parameters as built (WatchContext.model_structure), when all runs agree,
+         "layout": {"bos" | "bos2" | "eos" | "full_eos" | "idle": [lo, hi] of each run's fraction of its rows, of
+                    its full-width rows, of its padded cells (detectors.blackbox.batches.FRACTIONS)}, "max_len": int,
          "repeats": the most training batches any run trained on twice,
          "eval_overlap": the largest fraction of evaluated documents that a run had trained on}
 
@@ -510,11 +528,13 @@ def record_golden(runs, path=None) -> dict:
               "scaled": all(r.scale is not None for h in histories for r in h)}
     configs = [next((r.groups for r in h if r.groups is not None), None) for h in histories]
     golden["groups"] = configs[0] if configs[0] is not None and all(c == configs[0] for c in configs) else None
+    models = [next((r.model for r in h if r.model is not None), None) for h in histories]
+    golden["model"] = models[0] if models[0] is not None and all(m == models[0] for m in models) else None
     layouts = [[r.layout for r in h if r.layout] for h in histories]
     if all(layouts):
-        totals = [{k: sum(lay.get(k, 0) for lay in run) for k in ("rows", "bos", "bos2", "eos")} for run in layouts]
-        keys = [k for k in ("bos", "bos2", "eos") if all(k in lay for run in layouts for lay in run)]
-        golden["layout"] = {k: span(t[k] / t["rows"] for t in totals if t["rows"]) for k in keys}
+        runs = [layout_fractions(run) for run in layouts]
+        golden["layout"] = {k: span(run.get(k) for run in runs) for k in LAYOUT_FRACTIONS
+                            if all(k in lay for run in layouts for lay in run)}
         golden["max_len"] = max(lay["len"] for run in layouts for lay in run)
     else:
         golden["layout"], golden["max_len"] = None, None

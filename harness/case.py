@@ -450,6 +450,8 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
         ctx.phase = "eval"
         out["val_loss"] = evaluate(ctx.run.model, ctx.run.corpus.val[:EVAL_DOCS], ctx.run.tokenizer.pad_id,
                                    cfg.train.eval_batch_size, cfg.train.precision, cfg.data.pad_side)
+        if watched is not None:
+            watched.observe_eval(out["val_loss"])
         out["outputs"].update(decode(ctx.run))
         suite.fire("on_end", {"val_loss": out["val_loss"]})
         if watched is not None:

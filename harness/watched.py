@@ -70,6 +70,12 @@ class Watched:
         if self.current is not None:
             self.current.ctx.probing = on
 
+    def observe_eval(self, eval_loss: float) -> None:
+        """The loop's evaluation loss, handed to the attached watch as a user would (``Watch.observe``): the
+        reference evaluates the whole split on every rank, so the value is this rank's own."""
+        if self.current is not None:
+            self.current.observe(eval_loss=eval_loss)
+
     def finish(self, exc: BaseException | None = None) -> None:
         """End the attached watch, if any: normally, or with the run's exception (its detectors' ``on_crash``)."""
         if self.current is not None:

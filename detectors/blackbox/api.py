@@ -35,11 +35,12 @@ class StepRecord:
     scale: the scaler's scale at the step (None without an enabled scaler); skipped: steps the scaler skipped
     since the previous record (its scale fell); micro_batches: training forwards since the previous step;
     batches: a hash of each training batch of the step (detectors.blackbox.batches: same tokens, same hash);
-    layout: counts over the step's training rows ("rows", "len": longest padded length, and with a tokenizer's
-    BOS/EOS ids "bos", "bos2", "eos": see batches.layout); opt_count: the optimizer's own step counter
+    layout: counts over the step's training rows ("rows", "len": longest padded length, "cells", "idle": padding
+    past each batch's longest row, and with a tokenizer's BOS/EOS ids "bos", "bos2", "eos", "full", "full_eos": see
+    batches.layout); opt_count: the optimizer's own step counter
     after the step (a per-parameter "step" of its state; None for an optimizer without one); groups: on the
     first record of each watch only, the optimizer's param groups as configured (``WatchContext.group_config``).
-    evals: [documents evaluated after the step (rows of evaluation forwards, prompts and decoding left out), how
+    evals: [documents evaluated after the step (rows of evaluation forwards, one-token decoding steps left out), how
     many of them the run had trained on], None without evaluation. ``step`` counts from the step the watch was
     attached at (a resumed loop's)."""
 
@@ -56,6 +57,7 @@ class StepRecord:
     opt_count: int | None = None
     groups: list[dict] | None = None
     evals: list[int] | None = None
+    model: dict | None = None  # on the first record of each watch only: WatchContext.model_structure()
 
 
 class WatchContext:
@@ -84,6 +86,8 @@ class WatchContext:
         self.batches_seen: dict[int, int] = {}  # training batch hash -> the step it was trained at
         self.train_rows: set[int] = set()  # hashes of the training rows seen (at most MAX_ROWS)
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
+        # evaluations after the watch's exit are watched too (``Watch.watch_evaluations``): their checks may still come
+        self.evaluations_follow = False
         self._names: dict[int, str] | None = None
         self._lm = None
 
@@ -155,6 +159,17 @@ class WatchContext:
             out.append(conf)
         return out
 
+    def model_structure(self) -> dict:
+        """The model's parameters as built: how many distinct tensors, their elements, and the names that share an
+        earlier name's tensor (tied weights: ``lm_head.weight`` sharing ``wte.weight``)."""
+        distinct: dict[int, torch.Tensor] = {}
+        shared = []
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in distinct:
+                shared.append(name)
+            distinct.setdefault(id(p), p)
+        return {"params": len(distinct), "numel": sum(p.numel() for p in distinct.values()), "shared": shared}
+
     def optimizer_count(self) -> int | None:
         """The optimizer's own step counter: the "step" of its state for one parameter (Adam, AdamW, RMSprop,
         Adagrad keep one per parameter, all stepped together), None when its state holds none."""
@@ -185,6 +200,10 @@ class BlackBoxDetector(Detector):
       on_before_step(ctx)                   optimizer step pre-hook: gradients as the optimizer sees them
       on_after_step(ctx, record)            optimizer step post-hook, with the step's StepRecord
       on_eval_forward(ctx, batch, logits)   a forward without grad (evaluation, generation)
+      on_grad_norm(ctx, grad_norm)          the loop reported its last step's gradient norm (``Watch.observe``)
+      on_eval_loss(ctx, eval_loss, across_ranks)
+                                            the loop reported the loss of its evaluation (``Watch.observe``):
+                                            with ``across_ranks`` it covers every rank's share, each rank reports it
       on_end(ctx)                           the watch exited normally
       on_crash(ctx, crash)                  the with-block raised: {type, message, frames: [(file, line, func)]}
     Raise ``NotApplicable`` (detectors.api) from a hook when the loop breaks the detector's assumption: the
@@ -217,6 +236,8 @@ class BlackBoxDetector(Detector):
     def on_before_step(self, ctx: WatchContext) -> None: ...
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None: ...
     def on_eval_forward(self, ctx: WatchContext, batch: dict, logits: torch.Tensor | None) -> None: ...
+    def on_eval_loss(self, ctx: WatchContext, eval_loss: float, across_ranks: bool) -> None: ...
+    def on_grad_norm(self, ctx: WatchContext, grad_norm: float) -> None: ...
     def on_end(self, ctx: WatchContext) -> None: ...  # type: ignore[override]
     def on_crash(self, ctx: WatchContext, crash: dict) -> None: ...
 

@@ -66,29 +66,56 @@ def special_ids(tokenizer) -> dict[str, int]:
     return out
 
 
+# a layout count -> the count it is a fraction of (what the golden envelope spans, per run)
+# (full-width rows first: where they alone lost EOS, theirs is the finding that says why)
+FRACTIONS = {"bos": "rows", "bos2": "rows", "full_eos": "full", "eos": "rows", "idle": "cells"}
+
+
+def layout_fractions(layouts) -> dict[str, float]:
+    """The FRACTIONS of layout counts summed over batches or steps (``layouts``: their count dicts), each where
+    its whole is not 0."""
+    total: dict[str, int] = {}
+    for counts in layouts:
+        for key, value in counts.items():
+            total[key] = total.get(key, 0) + value
+    return {k: total[k] / total[of] for k, of in FRACTIONS.items() if k in total and total.get(of)}
+
+
 def layout(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]) -> dict[str, int]:
-    """Counts over a batch's rows: "rows", "bos" (first real token is BOS), "bos2" (first two are BOS), "eos" (last
-    real token is EOS), "len" (the padded length). A few tensor ops on the rows' first, second and last tokens."""
+    """Counts over a batch's rows: "rows", "len" (the padded length), "cells" (rows x length) and "idle" (the cells
+    of columns past the batch's longest row: padding no row needs); with the tokenizer's BOS/EOS ids, "bos" (first
+    real token is BOS), "bos2" (first two are BOS), "eos" (last real token is EOS), "full" (rows as long as the
+    batch: its longest, and any cut at the length limit) and "full_eos" (of them, those ending with EOS). A few
+    tensor ops on the mask's row sums and the rows' first, second and last tokens, one transfer."""
     ids, keep, aligned = _rows(ids, mask)
     b, t = ids.shape
-    out = {"rows": b, "len": t}
-    if not special or t < 2:
-        return out
+    lengths = keep.sum(-1) if keep is not None else torch.full((b,), t, device=ids.device)
+    counts = [lengths.max() if b else torch.tensor(t)]
+    if special and t >= 2:
+        counts += _ends(ids, keep, aligned, lengths, special)
+    longest, *ends = torch.stack([c.to(ids.device) for c in counts]).tolist()
+    out = {"rows": b, "len": t, "cells": b * t, "idle": b * (t - longest)}
+    if ends:
+        first_bos, both_bos, last_eos, full, full_eos = ends
+        if "bos" in special:
+            out["bos"], out["bos2"] = first_bos, both_bos
+        if "eos" in special:
+            out["eos"], out["full"], out["full_eos"] = last_eos, full, full_eos
+    return out
+
+
+def _ends(ids, keep, aligned, lengths, special) -> list[torch.Tensor]:
+    """[rows starting with BOS, with two BOS, ending with EOS, as long as the batch, of them ending with EOS]."""
+    t = ids.shape[1]
     if keep is None:
         picked = ids[:, [0, 1, t - 1]]
     elif aligned:  # no left padding: the last real token sits at length - 1
-        last = (keep.sum(-1, keepdim=True) - 1).clamp_min(0)
-        picked = torch.cat([ids[:, :2], ids.gather(1, last)], 1)
+        picked = torch.cat([ids[:, :2], ids.gather(1, (lengths[:, None] - 1).clamp_min(0))], 1)
     else:
         first = keep.int().argmax(-1)
         last = t - 1 - keep.int().flip(-1).argmax(-1)
         picked = ids.gather(1, torch.stack([first, (first + 1).clamp_max(t - 1), last], 1))
     bos, eos = special.get("bos", -1), special.get("eos", -1)
     hits = picked == torch.tensor([bos, bos, eos], device=ids.device)
-    first_bos, both_bos, last_eos = torch.stack([hits[:, 0], hits[:, 0] & hits[:, 1], hits[:, 2]], 1).sum(0).tolist()
-    if "bos" in special:
-        out["bos"], out["bos2"] = first_bos, both_bos
-    if "eos" in special:
-        out["eos"] = last_eos
-    return out
-
+    full = lengths == t
+    return [hits[:, 0].sum(), (hits[:, 0] & hits[:, 1]).sum(), hits[:, 2].sum(), full.sum(), (full & hits[:, 2]).sum()]

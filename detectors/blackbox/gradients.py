@@ -15,9 +15,11 @@ assumption on the code that computed it. The detectors here compare that with th
 - ``bb_loss_padding``: no weight on targets that are padding, and no real token ignored because its id is the
   pad id (pad == EOS);
 - ``bb_loss_normalization``: a mean loss over the step's targets: the weights of one optimizer step (all its
-  micro-batches) sum to 1 and do not depend on which micro-batch a token was in.
+  micro-batches; with ranks, all ranks' times the factor the backward's sync applies) sum to 1 and do not depend
+  on which micro-batch a token was in.
 A loss that is not a softmax cross-entropy of these logits (label smoothing, a temperature, distillation) is
-recognized by the gradient's shape and these detectors say "not applicable".
+recognized by the gradient's shape and these detectors say "not applicable". Beside them, on the gradients the
+backward leaves: ``bb_reported_grad_norm``, the norm the loop reports (clips) is no larger than that.
 """
 
 from __future__ import annotations
@@ -389,6 +391,68 @@ def _pad_id(ctx: WatchContext, ids: torch.Tensor, mask: torch.Tensor) -> int | N
     return int(padded[0]) if padded.numel() == 1 else None
 
 
+def _process_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _guarded(fn, errors: list):
+    """``fn`` for autograd to call (outside the watch's guard): its exception never reaches the loop's backward, it
+    is appended to ``errors`` (the detector raises it from a hook of its own, where the watch reports it)."""
+    def call(*args):
+        try:
+            fn(*args)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return call
+
+
+def _at_backward_end(fn, errors: list) -> None:
+    """Call ``fn`` when the running backward has finished, after every callback it queued (a DDP reducer's, which
+    writes the ranks' reduced gradients): a callback queued from a callback runs after them. Call from a hook
+    that fires inside the backward."""
+    engine = torch.autograd.Variable._execution_engine
+    engine.queue_callback(lambda: engine.queue_callback(_guarded(fn, errors)))
+
+
+class _SyncProjection:
+    """What a data-parallel backward does to the gradients it accumulated, on one random projection v (the same on
+    every rank): ``local`` = sum over parameters of <gradient as the backward accumulated it, v> (read as each is
+    accumulated, before a DDP-style sync writes the reduced one), ``synced`` = the same projection once the backward
+    and the callbacks it queued (the sync's) have run. Without a sync inside the backward the two are equal."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        gen = torch.Generator().manual_seed(0)
+        self.params = params
+        self.v = {id(p): torch.randn(p.shape, generator=gen).to(p.device) for p in params}
+        self._dots: dict[int, torch.Tensor] = {}
+        self.local: float | None = None
+        self.synced: float | None = None
+        self.errors: list[str] = []
+        self._handles = [p.register_post_accumulate_grad_hook(_guarded(self._accumulated, self.errors)) for p in params]
+
+    def _dot(self, p: torch.Tensor) -> torch.Tensor:
+        return (p.grad.detach().float() * self.v[id(p)]).sum()
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        self._dots[id(p)] = self._dot(p)
+
+    def queue(self) -> None:
+        """Read both projections at the end of the running backward (``_at_backward_end``)."""
+        _at_backward_end(self._backward_done, self.errors)
+
+    def _backward_done(self) -> None:
+        touched = [p for p in self.params if id(p) in self._dots and p.grad is not None]
+        if touched:
+            self.local = float(sum(self._dots[id(p)] for p in touched))
+            self.synced = float(sum(self._dot(p) for p in touched))
+        self._dots = {}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 @register
 class LossNormalization(_GradientDetector):
     """A mean loss over the step's targets: the weights the loss gave the targets of one optimizer step, over
@@ -397,32 +461,55 @@ class LossNormalization(_GradientDetector):
     weight does not depend on its micro-batch. Reported: a sum far from 1 (a summed loss, a per-micro-batch
     mean summed over the window, a double division, a count of the wrong targets; a sum equal to the loss
     scale: the loss scaled twice), and micro-batches with uniform but different weights (each averaged over its
-    own tokens). With ranks, each rank's sum is its share of the global count x world size: only the median
-    over steps is checked, loosely. A golden envelope that recorded other sums is the user's convention."""
+    own tokens). With ranks the contract holds for the global batch, whatever each rank's share of the targets:
+    the ranks' weight sums are all-gathered and multiplied by the factor the backward's sync applies to the sum of
+    the ranks' gradients (measured on a random projection: 1 / world size for DDP's mean; a backward that syncs
+    nothing counts as a mean taken later). A sum off 1 with that factor off the mean is a sync that does not
+    average (gradients reduced twice, summed): named at the ranks. A golden envelope that recorded other sums
+    is the user's convention."""
 
     id = "bb_loss_normalization"
     family = "loss"
     description = "sum of the loss's per-token weights over an optimizer step (mean loss: 1) and their uniformity"
-    TOL = 0.03  # relative, one process
-    DDP_BAND = (0.75, 1.33)  # median per-rank sum with ranks
+    TOL = 0.03  # relative
+    SYNC_TOL = 0.02  # relative: the sync's factor x world size against 1 (a mean over ranks)
     UNIFORM_TOL = 0.05  # relative spread of one micro-batch's weights to call them uniform
-    CHECK_STEPS = 2  # steps checked at most, one process (a loop's normalization does not change)
-    CHECK_STEPS_RANKS = 3  # with ranks: the median of these
+    CHECK_STEPS = 2  # steps checked at most (a loop's normalization does not change); with ranks: steps gathered
 
     def __init__(self) -> None:
         super().__init__()
         self._micro: list[dict] = []
         self._skips_seen = 0
+        self._gathers = 0
+        self._sync: _SyncProjection | None = None
+        self._unfit: str | None = None  # with ranks: why this rank's loss is not a cross-entropy (decided together)
         self.sums: list[dict] = []
         self.uneven: list[dict] = []
 
     def _done(self, ctx: WatchContext) -> bool:
-        return len(self.sums) >= (self.CHECK_STEPS_RANKS if ctx.world_size > 1 else self.CHECK_STEPS)
+        return (self._gathers if ctx.world_size > 1 else len(self.sums)) >= self.CHECK_STEPS
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if ctx.world_size > 1 and not _process_group():
+            raise NotApplicable("several ranks without an initialized torch.distributed group: the ranks' weights "
+                                "cannot be added up")
+
+    def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
+        if ctx.world_size > 1 and self._sync is None and not self._done(ctx):
+            self._sync = _SyncProjection([p for p in ctx.optimizer_params() if p.requires_grad])
 
     def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
         if self._done(ctx):
             return
-        result = self.implied_of(logits, grad_logits)
+        if self._sync is not None:
+            self._sync.queue()
+        try:
+            result = self.implied_of(logits, grad_logits)
+        except NotApplicable as e:
+            if ctx.world_size == 1:
+                raise
+            self._unfit = str(e)  # the ranks give up together, at the next gather: each rank must take part in it
+            result = None
         tokens = None if result is None else _tokens(batch, result)
         rate = None if tokens is None else next_token_rate(result, tokens[0])
         if result is None or (rate is not None and rate < ImpliedLabels.ALIGNED):
@@ -440,28 +527,67 @@ class LossNormalization(_GradientDetector):
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
         micro, self._micro = self._micro, []
         skipped, self._skips_seen = ctx.skipped_steps != self._skips_seen, ctx.skipped_steps
-        if self._done(ctx) or not micro or skipped or record.skipped:
+        if self._done(ctx):
             return
-        if any(m.get("unknown") for m in micro) or sum(m["targets"] for m in micro) < MIN_POSITIONS:
+        valid = bool(micro) and not (skipped or record.skipped) and not any(m.get("unknown") for m in micro)
+        point = {"step": record.step, "weight_sum": sum(m["sum"] for m in micro) if valid else 0.0,
+                 "micro_batches": len(micro), "targets": sum(m["targets"] for m in micro) if valid else 0,
+                 "scale": micro[-1]["scale"] if valid else None}
+        if ctx.world_size > 1:
+            valid = self._gather(ctx, point, valid)  # a collective: every rank calls it at the same steps
+        if not valid or point["targets"] < MIN_POSITIONS:
             return
-        total = sum(m["sum"] for m in micro)
-        point = {"step": record.step, "weight_sum": total, "micro_batches": len(micro),
-                 "targets": sum(m["targets"] for m in micro), "scale": micro[-1]["scale"]}
         self.sums.append(point)
         medians = [m["median"] for m in micro if m.get("uniform")]
         if len(micro) > 1 and len(medians) == len(micro) and max(medians) > (1 + 4 * self.UNIFORM_TOL) * min(medians):
             self.uneven.append({**point, "weights": medians})
         self._judge(ctx, point)
 
+    def _gather(self, ctx: WatchContext, point: dict, valid: bool) -> bool:
+        """All ranks' weight sums and sync projections of the step (an all-gather): ``point`` becomes the global
+        batch's (weight_sum: the ranks' sums x the sync's factor; targets: all ranks'; sync: that factor x world
+        size, 1 for a mean). False when a rank could not measure the step."""
+        self._gathers += 1
+        sync, world = self._sync, ctx.world_size
+        local, synced = (sync.local, sync.synced) if sync is not None and sync.local is not None else (0.0, 0.0)
+        valid = valid and sync is not None and sync.local is not None  # unread: the callback failed
+        if sync is not None:
+            sync.local = sync.synced = None
+            if self._done(ctx):
+                sync.remove()
+        device = next((p.device for p in ctx.optimizer_params()), torch.device("cpu"))
+        mine = torch.tensor([valid, self._unfit is not None, point["weight_sum"], point["targets"], local, synced],
+                            dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(gathered, mine)
+        rows = torch.stack(gathered).cpu().tolist()
+        if any(r[1] for r in rows):
+            if sync is not None:
+                sync.remove()
+            raise NotApplicable(self._unfit or "the loss's gradient w.r.t. the logits on another rank is not a plain "
+                                               "softmax cross-entropy")
+        if not all(r[0] for r in rows):
+            return False
+        local_sum, synced_mean = sum(r[4] for r in rows), sum(r[5] for r in rows) / world
+        # a backward that left every rank's gradients as it accumulated them syncs nothing: a mean is taken later
+        in_backward = any(r[4] != r[5] for r in rows) and local_sum != 0
+        factor = synced_mean / local_sum if in_backward else 1 / world
+        point.update(rank_sums=[r[2] for r in rows], weight_sum=factor * sum(r[2] for r in rows),
+                     targets=int(sum(r[3] for r in rows)), sync=factor * world if in_backward else None)
+        return math.isfinite(point["weight_sum"])
+
+    def on_end(self, ctx: WatchContext) -> None:
+        if self._sync is not None:
+            self._sync.remove()
+            if self._sync.errors:  # after the last collective: the watch reports it as this detector's error
+                raise RuntimeError(f"reading the gradients at the end of a backward: {self._sync.errors[0]}")
+
+    def on_crash(self, ctx: WatchContext, crash: dict) -> None:
+        self.on_end(ctx)
+
     def _judge(self, ctx: WatchContext, point: dict) -> None:
         total = point["weight_sum"]
-        if ctx.world_size > 1:
-            if len(self.sums) < self.CHECK_STEPS_RANKS:
-                return
-            total = statistics.median(p["weight_sum"] for p in self.sums)
-            off = not (self.DDP_BAND[0] <= total <= self.DDP_BAND[1])
-        else:
-            off = abs(total - 1) > self.TOL
+        off = abs(total - 1) > self.TOL
         if off and self._golden_allows(ctx, total):
             off = False
         if off:
@@ -484,8 +610,16 @@ class LossNormalization(_GradientDetector):
         return lo * (1 - self.TOL) <= total <= hi * (1 + self.TOL)
 
     def _report_sum(self, ctx: WatchContext, point: dict, total: float) -> None:
-        k, targets, scale = point["micro_batches"], point["targets"], point["scale"]
-        if scale and scale > 1 and abs(total / scale - 1) < 0.1:
+        k, targets, scale, sync = point["micro_batches"], point["targets"], point["scale"], point.get("sync")
+        if sync is not None and abs(sync - 1) > self.SYNC_TOL:
+            world = ctx.world_size
+            what = "their SUM" if abs(sync / world - 1) < 0.1 else f"{sync:.3g} x their mean"
+            subsystem, where, why = "distributed", "ranks", (
+                f"the sync across the {world} ranks leaves the gradients at {what}, not the mean of the ranks' "
+                f"gradients, while the ranks' losses are normalized for a mean (their weights sum to "
+                f"{sum(point['rank_sums']):.3g}): every gradient is {total:.3g} x the mean loss's (reduced twice, "
+                "or summed and not averaged)")
+        elif scale and scale > 1 and abs(total / scale - 1) < 0.1:
             subsystem, where, why = "precision", "scaler", (f"the loss scale ({scale:g}): the loss is multiplied by "
                                                             "the scale twice")
         elif k > 1 and abs(total / k - 1) < 0.1:
@@ -505,3 +639,100 @@ class LossNormalization(_GradientDetector):
                          f"instead of 1 (a mean over the step's {targets} targets): {why}",
                          {"steps": self.sums[:4], "world_size": ctx.world_size}, confidence=0.8,
                          step=point["step"] - 1)
+
+
+@register
+class ReportedGradNorm(BlackBoxDetector):
+    """The gradient norm a loop reports for a step (``Watch.observe(grad_norm=...)``; the HF callback hands
+    Trainer's ``grad_norm``, the norm it clipped) is at most the norm of the gradients the step's backwards left:
+    measured once the step's last backward has finished (after every callback it queued, a DDP sync among them),
+    divided by an enabled scaler's scale. Clipping and reporting a clipped norm only lower it; with ranks the bound
+    is the largest rank's (a mean over ranks taken after the backward is no larger). A larger reported norm means
+    the gradients grew between the backward and the clipping: reduced across the ranks once more (by the world
+    size: named at the ranks), or multiplied by something else (named at the optimizer)."""
+
+    id = "bb_reported_grad_norm"
+    family = "optimizer"
+    description = "the loop's reported (clipped) gradient norm vs the norm its backward left"
+    TOL = 0.02  # relative: the loop's norm and ours differ by float summation order only
+    CHECK_STEPS = 3  # steps measured (one norm at the end of each backward) and, with ranks, gathered
+    CONFIRM = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._measured: float | None = None
+        self._bounds: dict[int, float] = {}  # step -> the norm its backwards left (the largest rank's)
+        self._reports: dict[int, float] = {}  # step -> the norm the loop reported for it
+        self._reported = False
+        self._errors: list[str] = []  # of the measurements at the end of backwards
+        self.hits: list[dict] = []
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if ctx.world_size > 1 and not _process_group():
+            raise NotApplicable("several ranks without an initialized torch.distributed group: no bound over ranks")
+
+    def _checking(self, ctx: WatchContext) -> bool:
+        return ctx.step - ctx.start_step < self.CHECK_STEPS
+
+    def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
+        if self._checking(ctx):
+            _at_backward_end(functools.partial(self._measure, ctx), self._errors)
+
+    def _measure(self, ctx: WatchContext) -> None:
+        grads = [p.grad.detach() for p in ctx.optimizer_params() if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else math.nan
+        self._measured = norm / float(ctx.scaler.get_scale()) if ctx.scaler_enabled else norm
+
+    def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        measured, self._measured = (math.nan if self._measured is None else self._measured), None
+        if ctx.step - ctx.start_step > self.CHECK_STEPS:  # the step just taken was not measured
+            return
+        if ctx.world_size > 1:  # a collective: every rank takes part at the same steps
+            device = next((p.device for p in ctx.optimizer_params()), torch.device("cpu"))
+            mine = torch.tensor([measured], dtype=torch.float64, device=device)
+            gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+            torch.distributed.all_gather(gathered, mine)
+            measured = max(float(g) for g in gathered)
+        self._bounds[ctx.step] = measured
+        self._compare(ctx, ctx.step)
+
+    def on_grad_norm(self, ctx: WatchContext, grad_norm: float) -> None:
+        self._reported = True
+        # reported after the backward and before the optimizer step (where a loop clips), or after the step
+        step = ctx.step + 1 if self._measured is not None else ctx.step
+        if step - ctx.start_step > self.CHECK_STEPS:
+            return
+        self._reports[step] = grad_norm
+        self._compare(ctx, step)
+
+    def _compare(self, ctx: WatchContext, step: int) -> None:
+        if step not in self._bounds or step not in self._reports:
+            return
+        bound, reported = self._bounds.pop(step), self._reports.pop(step)
+        if not (math.isfinite(bound) and math.isfinite(reported) and bound > 0) or reported <= (1 + self.TOL) * bound:
+            return
+        self.hits.append({"step": step, "reported": reported, "backward": bound, "ratio": reported / bound})
+        if len(self.hits) == self.CONFIRM:
+            self._report(ctx)
+
+    def _report(self, ctx: WatchContext) -> None:
+        first, world = self.hits[0], ctx.world_size
+        ratio = statistics.median(h["ratio"] for h in self.hits)
+        if world > 1 and abs(ratio / world - 1) < 0.1:
+            subsystem, where, why = "distributed", "ranks", (f"by the world size ({world}): the gradients the ranks' "
+                                                             "sync already averaged are reduced (summed) once more "
+                                                             "before the clipping")
+        else:
+            subsystem, where, why = "optimizer", "optimizer", ("between the backward and the clipping something "
+                                                               "multiplies the gradients")
+        self.report(ctx, subsystem, where,
+                    f"the loop reports a gradient norm of {first['reported']:.4g} at step {first['step']} where its "
+                    f"backward left gradients of norm {first['backward']:.4g} ({ratio:.3g} x, {len(self.hits)} steps): "
+                    f"{why}; the clipping, the optimizer and the log see gradients {ratio:.3g} x too large",
+                    {"steps": self.hits, "world_size": world}, confidence=0.7, step=first["step"] - 1)
+
+    def on_end(self, ctx: WatchContext) -> None:
+        if self._errors:  # after the last collective: the watch reports it as this detector's error
+            raise RuntimeError(f"measuring the gradients at the end of a backward: {self._errors[0]}")
+        if not self._reported:
+            raise NotApplicable("the loop reported no gradient norm (Watch.observe(grad_norm=...))")

@@ -12,12 +12,15 @@ user's own known-good behaviour, and stays silent where the user gave nothing to
 from __future__ import annotations
 
 import math
+import os
+import re
+import sysconfig
 
 import torch
 
 from faultbench.detectors.api import NotApplicable, register
 from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
-from faultbench.detectors.blackbox.batches import row_hashes
+from faultbench.detectors.blackbox.batches import layout_fractions, row_hashes
 
 
 def _golden_steps(ctx: WatchContext) -> list[dict]:
@@ -311,7 +314,8 @@ class EvalOverlap(BlackBoxDetector):
     """Evaluation documents the run trained on (``StepRecord.evals``, counted by the watch on every forward without
     grad) against the known-good runs' share (``golden["eval_overlap"]``: a loop may evaluate its training split on
     purpose, as nanoGPT's estimate_loss does): at least ``MIN_ROWS`` such documents and a share above the golden's
-    by ``MARGIN``."""
+    by ``MARGIN``. Short documents count (a run trains on few of the long ones early; a leaky split shares its
+    duplicated short documents first)."""
 
     id = "bb_eval_overlap"
     family = "eval"
@@ -392,45 +396,64 @@ class CrossRank(BlackBoxDetector):
 
 @register
 class GoldenLayout(BlackBoxDetector):
-    """Where the tokenizer's BOS and EOS sit in the training rows against the known-good runs' (``golden["layout"]``:
-    the fraction of rows starting with BOS, with two BOS, ending with EOS): a fraction outside
-    their span by more than ``TOL`` once ``MIN_ROWS`` rows were seen."""
+    """The training rows' layout against the known-good runs' (``golden["layout"]``, per run the fractions of
+    batches.FRACTIONS): rows starting with BOS, with two BOS, ending with EOS; full-width rows (each batch's longest,
+    and any cut at the length limit) ending with EOS; cells that are padding past their batch's longest row. A
+    property every known-good row or cell kept (a span of exactly [0, 0] or [1, 1]) is an invariant of the loop's
+    format, as a correct loop lays out every row alike: the first step that breaks it is reported. Any other
+    fraction is reported outside its span by more than ``TOL`` once ``MIN_ROWS`` rows were seen."""
 
     id = "bb_golden_layout"
     family = "data"
-    description = "BOS/EOS placement in the training rows vs the known-good runs'"
+    description = "BOS/EOS placement, truncated rows' ends, padding width in the training rows vs the known-good runs'"
     TOL = 0.05
     MIN_ROWS = 64
-    TEXT = {"bos": "rows starting with BOS", "bos2": "rows starting with two BOS", "eos": "rows ending with EOS"}
+    _TOKENIZED = "the documents are tokenized or truncated differently (special tokens added, missing or cut off)"
+    # key -> (subsystem, where, what the fraction counts, what a departure means)
+    TEXT = {
+        "bos": ("data", "tokenizer", "training rows starting with BOS", _TOKENIZED),
+        "bos2": ("data", "tokenizer", "training rows starting with two BOS", _TOKENIZED),
+        "eos": ("data", "tokenizer", "training rows ending with EOS", _TOKENIZED),
+        "full_eos": ("data", "tokenizer", "full-width training rows (each batch's longest, and any cut at the length "
+                     "limit) ending with EOS", "rows cut at the length limit lose their document's end (the EOS is "
+                     "cut off with the text, not kept as the last token)"),
+        "idle": ("collate", "batch", "positions the model ran on that are padding past their batch's longest row",
+                 "the batches are padded beyond their longest row (to a fixed length?): the same loss for more "
+                 "compute and memory"),
+    }
 
     def __init__(self) -> None:
         super().__init__()
-        self._totals: dict[str, int] = {}
+        self._totals: dict[str, int] = {}  # the layout counts summed over the steps so far
 
     def on_start(self, ctx: WatchContext) -> None:
         if not (ctx.golden or {}).get("layout"):
-            raise NotApplicable("no golden envelope with the rows' BOS/EOS layout (a tokenizer with BOS/EOS ids)")
+            raise NotApplicable("no golden envelope with the training rows' layout")
 
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
         if self.findings or not record.layout:
             return
         for key, value in record.layout.items():
-            if key != "len":
-                self._totals[key] = self._totals.get(key, 0) + value
-        rows = self._totals.get("rows", 0)
-        if rows < self.MIN_ROWS:
-            return
+            self._totals[key] = self._totals.get(key, 0) + value
+        fractions = layout_fractions([self._totals])
         for key, span in ctx.golden["layout"].items():
-            if span is None or key not in self._totals:
-                continue
-            frac = self._totals[key] / rows
-            if not (span[0] - self.TOL <= frac <= span[1] + self.TOL):
-                self.report(ctx, "data", "tokenizer",
-                            f"{frac:.0%} of the training rows are {self.TEXT[key]} where the known-good runs had "
-                            f"{span[0]:.0%}..{span[1]:.0%}: the documents are tokenized or truncated differently "
-                            "(special tokens added, missing or cut off)",
-                            {"key": key, "fraction": frac, "golden": span, "rows": rows}, confidence=0.7)
+            if span is not None and key in fractions and key in self.TEXT and self._departs(fractions[key], span):
+                self._report(ctx, key, fractions[key], span)
                 return
+
+    def _departs(self, frac: float, span: list) -> bool:
+        """Whether ``frac`` leaves the golden ``span``: at once where the span is an invariant ([0, 0] or [1, 1]),
+        else by more than TOL once MIN_ROWS rows were seen."""
+        if span[0] == span[1] and span[0] in (0.0, 1.0):
+            return frac != span[0]
+        return self._totals["rows"] >= self.MIN_ROWS and not span[0] - self.TOL <= frac <= span[1] + self.TOL
+
+    def _report(self, ctx: WatchContext, key: str, frac: float, span: list) -> None:
+        subsystem, where, counted, meaning = self.TEXT[key]
+        golden = f"{span[0]:.0%}" if span[0] == span[1] else f"{span[0]:.0%}..{span[1]:.0%}"
+        self.report(ctx, subsystem, where, f"{frac:.1%} of the {counted} where the known-good runs had {golden}: "
+                    f"{meaning}", {"key": key, "fraction": frac, "golden": span, "rows": self._totals["rows"]},
+                    confidence=0.7)
 
 
 # crashes raised inside a library's component, innermost frame first: the component's subsystem and name
@@ -440,6 +463,35 @@ _CRASH_SITES = (
     ("torch/nn/parallel/", "distributed", "ranks"), ("torch/distributed/", "distributed", "ranks"),
     ("torch/serialization.py", "checkpoint", "checkpoint"), ("torch/utils/data/", "data", "data loader"),
 )
+
+
+# words a function or module name is made of (split at "_", ".", digits and case changes) -> the subsystem the
+# code it names belongs to; the LAST matching word of a name decides (the head of a compound: "attention_mask")
+_NAME_WORDS = {
+    "position": ("rope", "rotary", "position", "positions", "pos"), "mask": ("mask", "masks", "causal"),
+    "loss": ("loss", "losses", "entropy", "nll"), "collate": ("collate", "collator", "pad", "padding"),
+    "data": ("tokenize", "tokenizer", "dataset", "sampler", "loader", "corpus", "shard"),
+    "checkpoint": ("checkpoint", "ckpt", "resume"), "precision": ("scaler", "autocast", "amp"),
+    "optimizer": ("optimizer", "optim", "scheduler", "schedule", "clip"),
+    "distributed": ("ddp", "distributed", "reduce", "gather", "broadcast"), "eval": ("eval", "evaluate", "metric"),
+}
+_WORD_SUBSYSTEM = {word: sub for sub, words in _NAME_WORDS.items() for word in words}
+
+
+def _named_subsystem(name: str) -> str | None:
+    """The subsystem a code name's words say (``apply_rotary_pos_emb`` -> position), None when none does."""
+    words = re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", name)
+    return next((_WORD_SUBSYSTEM[w.lower()] for w in reversed(words) if w.lower() in _WORD_SUBSYSTEM), None)
+
+
+def _framework(path: str) -> bool:
+    """Whether a traceback's file is torch's or Python's own (a crash surfaces there, but is not caused there)."""
+    path = os.path.realpath(path)
+    return any(path.startswith(root + os.sep) for root in _FRAMEWORK_ROOTS)
+
+
+_FRAMEWORK_ROOTS = tuple(os.path.realpath(p) for p in (os.path.dirname(torch.__file__),
+                                                         sysconfig.get_paths()["stdlib"]))
 
 
 def _vocab_size(ctx: WatchContext) -> int | None:
@@ -508,6 +560,24 @@ class CrashSite(BlackBoxDetector):
                             f"({path.rsplit('/', 1)[-1]}): the {where} was used out of its contract",
                             {"frame": path}, confidence=0.5)
                 return
+        self._user_frame(ctx, crash, frames)
+
+    def _user_frame(self, ctx: WatchContext, crash: dict, frames: list) -> None:
+        """The innermost frame of the user's own code (not torch's, not Python's) names what it does: its function,
+        else its module (``rope_at`` in ``rope.py``, ``lm_loss``, ``build_attention_mask``); the traceback line a
+        reader goes to first."""
+        frame = next((f for f in reversed(frames) if not _framework(f[0])), None)
+        if frame is None:
+            return
+        path, func = frame[0].replace("\\", "/"), frame[2]
+        parts = path.removesuffix(".py").rsplit("/", 2)[-2:]
+        subsystem = _named_subsystem(func) or _named_subsystem(parts[-1])
+        if subsystem is not None:
+            where = ".".join([*parts, func])
+            self.report(ctx, subsystem, where,
+                        f"the run crashed ({crash['type']}: {crash['message'][:160]}) in {where}, the innermost "
+                        f"frame of the loop's own code: its name says it does the {subsystem} part of the run",
+                        {"frame": path, "function": func, "line": frame[1]}, confidence=0.45)
 
 
 @register

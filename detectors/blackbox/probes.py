@@ -689,12 +689,34 @@ def label_alignment(batch: dict, logits: torch.Tensor, loss: torch.Tensor | floa
 # ---- the probe detectors of the black-box track ----
 
 _ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ctx -> (step, ProbeRound): one round per run
+_FULL_ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same, run in full precision
 
 
-def round_result(ctx, probe: str) -> ProbeResult | None:
+@contextlib.contextmanager
+def full_precision(model: torch.nn.Module):
+    """The model's float32 parameters and buffers (gradients too) as float64 for the block and float32 again after,
+    both exact: autocast leaves float64 alone, so a forward the loop wrapped in a bf16 autocast runs in full
+    precision."""
+    model.double()
+    try:
+        yield
+    finally:
+        model.float()
+
+
+def fits_full_precision(ctx) -> bool:
+    """Whether the probes may run in full precision: one rank (no replica shares the tensors) and every floating
+    parameter and buffer float32 (float32 -> float64 -> float32 restores them exactly)."""
+    tensors = [*ctx.model.parameters(), *ctx.model.buffers()]
+    return ctx.world_size == 1 and all(t.dtype == torch.float32 for t in tensors if t.is_floating_point())
+
+
+def round_result(ctx, probe: str, full: bool = False) -> ProbeResult | None:
     """``probe``'s result in the run's probe round, built on the loop's latest batch at the first call (raises
-    ShortBatch when that batch is too short: a later one may do) and shared by every probe detector."""
-    entry = _ROUNDS.get(ctx)
+    ShortBatch when that batch is too short: a later one may do) and shared by every probe detector; ``full``: in
+    the round whose forwards run in full precision (``full_precision``)."""
+    rounds = _FULL_ROUNDS if full else _ROUNDS
+    entry = rounds.get(ctx)
     if entry is None or entry[0] != ctx.step:
         batch = ctx.last_batch
         if not batch or "input_ids" not in batch:
@@ -706,16 +728,17 @@ def round_result(ctx, probe: str) -> ProbeResult | None:
         pad_id = getattr(ctx.tokenizer, "pad_token_id", None)
         entry = (ctx.step, ProbeRound(lm, batch["input_ids"], batch.get("attention_mask"), pad_id,
                                       batch.get("position_ids")))
-        _ROUNDS[ctx] = entry
-    with ctx.probe():
+        rounds[ctx] = entry
+    with ctx.probe(), full_precision(ctx.model) if full else contextlib.nullcontext():
         return entry[1].result(probe)
 
 
 class _ActiveProbe(BlackBoxDetector):
     """Runs its probe of the shared round once, before the loop's first optimizer step (findings carry step 0),
-    on the batch that step trains on; if that batch is too short, before a later step, or at the end. A ``RECHECK``
-    probe silent in a round whose forwards ran in a coarse dtype (bf16, fp16) runs again at the end: an untrained
-    model's faint position or context dependence stays under that rounding, a trained one's does not."""
+    on the batch that step trains on; if that batch is too short, before a later step, or at the end. A probe
+    silent in a round whose forwards ran in a coarse dtype (bf16, fp16) runs again at once in full precision when the
+    model's weights are float32 (``fits_full_precision``). A ``RECHECK`` probe still silent runs again at the end: an
+    untrained model's faint position or context dependence stays under that rounding, a trained one's does not."""
 
     passive = False
     PROBE: str
@@ -740,6 +763,13 @@ class _ActiveProbe(BlackBoxDetector):
         result = round_result(ctx, self.PROBE)
         self.done = True
         self.coarse = _ROUNDS[ctx][1].tol > COARSE
+        if result is None and self.coarse and fits_full_precision(ctx):
+            # the forwards ran in bf16/fp16 (an autocast around the model's forward): a contract holds in full
+            # precision too, where a faint break is not lost in the rounding. A non-finite gap there, after a finite
+            # silent coarse round, is float64's own doing (a mask's float64 minimum overflowing a float32 softmax)
+            result = round_result(ctx, self.PROBE, full=True)
+            if result is not None and not math.isfinite(result.gap):
+                result = None
         if result is not None:
             self.report(ctx, result.subsystem, result.where, result.message,
                         {"gap": result.gap, **result.evidence}, confidence=self.CONFIDENCE)

@@ -211,7 +211,8 @@ def test_golden_records_the_optimizer_the_lr_the_layout_and_the_data():
     assert lrs[0] == pytest.approx([3e-3 / 4] * 2) and lrs[3] == pytest.approx([3e-3] * 2)  # the schedule's LR
     assert [g["params"] for g in golden["groups"]] == [len(g["params"]) for g in _parts(0)[1].param_groups]
     assert golden["groups"][0]["betas"] == [0.9, 0.99] and golden["groups"][0]["dtypes"] == ["float32"]
-    assert golden["layout"] == {"bos": [1.0, 1.0], "bos2": [0.0, 0.0], "eos": [1.0, 1.0]}
+    assert golden["layout"] == {"bos": [1.0, 1.0], "bos2": [0.0, 0.0], "full_eos": [1.0, 1.0], "eos": [1.0, 1.0],
+                                "idle": [0.0, 0.0]}
     assert golden["repeats"] == 0 and golden["max_len"] == 32 and golden["scaled"] is False
 
 

@@ -1,0 +1,139 @@
+"""Black-box checks of a crash's place, of graphs a loop keeps alive, of the model's build and of probes in full
+precision: a crash localized by the innermost frame of the user's own code (and not where no name tells); a loss
+kept as a tensor found within a few steps while a loop variable holding the last loss is fine; a model built unlike
+the user's known-good runs (an untied head) reported as the model's, above the optimizer that then differs too; the
+probes' full-precision round exact both ways, and a decode-position bug found under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import faultbench
+from faultbench.detectors.blackbox import probes
+from tests.watch.test_lm import llama
+from tests.watch.test_monitors import STEPS, Tok, _batches, _golden, _parts
+from tests.watch.test_probes import hf_trainer_run  # noqa: F401 - the fixture, shared with the probe tests
+
+VOCAB, WIDTH, LENGTH = 16, 8, 6
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A user's loss with nanoGPT's ignore value (-1) fed labels that mark ignored slots with -100."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1)
+
+
+def rope_at(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return table[positions]
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, a position table of ``table_rows`` rows looked up by ``rope_at``, a head: ``model(idx) -> logits``.
+    ``reshape_bug``: its forward reshapes to a wrong shape (a crash in a function whose name says nothing)."""
+
+    def __init__(self, table_rows: int = LENGTH, reshape_bug: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte, self.head = torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Linear(WIDTH, VOCAB)
+        self.table = torch.nn.Parameter(torch.randn(table_rows, WIDTH))
+        self.reshape_bug = reshape_bug
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + rope_at(self.table, torch.arange(idx.shape[1]))
+        if self.reshape_bug:
+            x = x.view(idx.shape[0], -1, WIDTH + 1)
+        return self.head(x)
+
+
+def crash_findings(model: torch.nn.Module, labels: torch.Tensor) -> list:
+    """bb_crash_site's findings on a one-step loop over a (2, LENGTH) batch that raises."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = faultbench.watch(model, optimizer, report=False, detectors=["bb_crash_site"])
+    with pytest.raises((IndexError, RuntimeError)), w:
+        idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+        lm_loss(model(idx), labels).backward()
+        optimizer.step()
+    assert w.errors == {}
+    return w.findings
+
+
+def test_a_crash_is_localized_by_the_innermost_frame_of_the_users_code():
+    labels = torch.ones(2, LENGTH, dtype=torch.long)
+    labels[:, -1] = -100  # cross_entropy (torch's frame, skipped) raises in the user's lm_loss
+    top = crash_findings(TinyLM(), labels)[0]
+    assert (top.subsystem, top.where.rpartition(".")[2]) == ("loss", "lm_loss")
+    assert top.evidence["function"] == "lm_loss" and "Target -100" in top.message
+    # a position table one row short: the lookup in the user's rope_at raises
+    top = crash_findings(TinyLM(table_rows=LENGTH - 1), labels.clamp_min(0))[0]
+    assert (top.subsystem, top.where.rpartition(".")[2]) == ("position", "rope_at")
+
+
+def test_a_crash_in_code_whose_name_tells_nothing_is_not_localized():
+    assert crash_findings(TinyLM(reshape_bug=True), torch.ones(2, LENGTH, dtype=torch.long)) == []
+
+
+def _loop(parts, detectors, *, golden=None, steps=STEPS, keep_losses=False):
+    """The usual loop (test_monitors' batches) under a watch with ``detectors``; ``keep_losses``: the loop logs each
+    step's loss as the tensor itself (its graph with it)."""
+    model, optimizer, scheduler = parts
+    logged = []
+    w = faultbench.watch(model, optimizer, scheduler=scheduler, tokenizer=Tok(), golden=golden, report=False,
+                         detectors=detectors)
+    with w:
+        for x, y in _batches(0, n=steps):
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            logged.append(loss if keep_losses else loss.item())
+    assert w.errors == {} and not w.not_applicable
+    return w
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["item", "tensor"])
+def test_a_loss_kept_with_its_graph_is_found_two_steps_later(keep):
+    w = _loop(_parts(0), ["bb_graphs_released"], steps=5, keep_losses=keep)
+    found = [(f.subsystem, f.where, f.step, f.evidence["step"]) for f in w.findings]
+    # the last step's loss stays in the loop's variable until the next forward: not a retention
+    assert found == ([("optimizer", "loss", 3, 1)] if keep else [])
+
+
+def test_golden_records_the_models_parameters():
+    model = _parts(0)[0]
+    distinct = list(model.parameters())
+    assert _golden()["model"] == {"params": len(distinct), "numel": sum(p.numel() for p in distinct),
+                                  "shared": ["lm_head.weight"]}
+
+
+def test_a_model_built_unlike_the_golden_is_the_models_finding_above_the_optimizers():
+    detectors = ["bb_golden_model", "bb_golden_config"]
+    assert _loop(_parts(0), detectors, golden=_golden(), steps=2).findings == []
+    model, _, _ = _parts(0)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # the head untied
+    optimizer = model.configure_optimizers(0.1, 3e-3, (0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    w = _loop((model, optimizer, scheduler), detectors, golden=_golden(), steps=2)
+    assert [(f.detector, f.subsystem) for f in w.findings] == [("bb_golden_model", "model"),
+                                                              ("bb_golden_config", "optimizer")]
+    top = w.findings[0]
+    assert top.where == "lm_head" and top.evidence["model"]["shared"] == [] and "lm_head.weight" in top.message
+
+
+def test_the_full_precision_round_restores_the_model_exactly():
+    model = llama(0)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with probes.full_precision(model):
+        assert {p.dtype for p in model.parameters()} == {torch.float64}
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if n in grads)
+
+
+def test_a_decode_position_bug_hidden_by_bf16_rounding_is_found_in_full_precision(hf_trainer_run):  # noqa: F811
+    assert ("bb_cache_consistency", "position", "model.layers.0.self_attn") in \
+        hf_trainer_run("hf_cache_positions_ignore_past", "bf16")
