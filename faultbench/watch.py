@@ -44,7 +44,8 @@ import torch
 from faultbench.detectors.api import Finding, NotApplicable, all_detectors, rank_findings
 from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
 from faultbench.detectors.blackbox.batches import FRACTIONS as LAYOUT_FRACTIONS
-from faultbench.detectors.blackbox.batches import batch_hash, layout, layout_fractions, row_hashes, special_ids
+from faultbench.detectors.blackbox.batches import batch_hash, fingerprint, layout_fractions, row_hashes, special_ids
+from faultbench.detectors.blackbox.gradients import implied_loss as implied_loss_of
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -97,10 +98,20 @@ def _signature(model: torch.nn.Module) -> inspect.Signature | None:
         return None
 
 
+def _nonzero(grad) -> bool:
+    """Whether a .grad holds anything (NaN counts): one reduction."""
+    return grad is not None and bool(grad.detach().any())
+
+
 def _norm(tensors) -> float | None:
     """L2 norm over tensors, in one fused call (None when there are none)."""
     tensors = [t.detach() for t in tensors]
-    return float(torch.nn.utils.get_total_norm(tensors)) if tensors else None
+    if not tensors:
+        return None
+    first = tensors[0]
+    if all(t.dtype is first.dtype and t.device == first.device for t in tensors):  # the usual case: half the cost
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
+    return float(torch.nn.utils.get_total_norm(tensors))
 
 
 class Watch:
@@ -131,6 +142,7 @@ class Watch:
         self._eval_call = False  # the forward in flight is an evaluation one (its hook time is not step time)
         self._forward_hooks = (self._before_forward, self._after_forward)
         self.detectors = _instantiate(detectors)
+        self._listeners: dict[tuple, list] = {}  # (hook, sparse step) -> [(detector, bound hook)] of the active ones
         self.print_report, self.out = report, out
         self.not_applicable: dict[str, str] = {}
         self.errors: dict[str, str] = {}
@@ -289,7 +301,8 @@ class Watch:
                 self._losses.append(float(loss.detach()))
             self.ctx.last_batch = batch
             self._fingerprint(batch)
-            if self._fresh and not self._stale_hooked and isinstance(logits, torch.Tensor) and logits.requires_grad:
+            if self._fresh and not self._stale_hooked and isinstance(logits, torch.Tensor) and logits.requires_grad \
+                    and self.ctx.sampled_step:  # a forgotten zero_grad leaves stale gradients on every step alike
                 self._stale_hooked = True
                 logits.register_hook(self._guard(self._grad_arrives))
             self._fire("on_forward", self.ctx, batch, logits, loss)
@@ -312,14 +325,12 @@ class Watch:
                 scale = float(self.ctx.scaler.get_scale())
                 if scale != 1.0:
                     grad = grad / scale
-            if implied_loss:
-                from faultbench.detectors.blackbox.gradients import implied
-
-                result = implied(detached, grad)
-                if result is not None:
-                    self._implied.append(result.loss)
             if self._on_backward:
                 self._fire("on_backward", self.ctx, batch, detached, grad)
+            if implied_loss:  # after the detectors: the analysis one of them made of this gradient is reused
+                loss = implied_loss_of(detached, grad)
+                if loss is not None:
+                    self._implied.append(loss)
 
         logits.register_hook(self._guard(logits_grad))
 
@@ -338,12 +349,10 @@ class Watch:
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() not in (1, 2):
             return
-        mask = batch.get("attention_mask")
-        rows = row_hashes(ids, mask)
+        rows, counts = fingerprint(ids, batch.get("attention_mask"), self._special)
         self._batches.append(batch_hash(rows))
         if len(self.ctx.train_rows) < self.ctx.MAX_ROWS:
-            self.ctx.train_rows.update(rows.tolist())
-        counts = layout(ids, mask, self._special)
+            self.ctx.train_rows.update(rows)
         if self._layout is None:
             self._layout = counts
         else:
@@ -378,10 +387,10 @@ class Watch:
         self._fresh = False
         params = self._trainable
         # a forgotten zero_grad leaves every gradient: the first and last parameters tell (cheap), all are then read
-        if not _norm(p.grad for p in (params[0], params[-1]) if p.grad is not None) if params else True:
+        if not params or not any(_nonzero(p.grad) for p in (params[0], params[-1])):
             self.ctx.stale_grads = None
             return
-        stale = [p for p in params if p.grad is not None and bool(p.grad.detach().ne(0).any())]
+        stale = [p for p in params if _nonzero(p.grad)]
         self.ctx.stale_grads = {"params": len(stale), "of": len(params), "first": self.ctx.param_owner(stale[0]),
                                 "norm": _norm(p.grad for p in stale)}
 
@@ -432,30 +441,41 @@ class Watch:
         self._backward_norm = None
         self._arrived.clear()
         self._fire("on_after_step", ctx, record)
+        ctx.stale_grads = None  # measured again at the next sampled step's first backward
 
     # ---- detectors
     def _fire(self, hook: str, *args) -> None:
-        for det in self.detectors:
-            if det.id in self.errors or det.id in self.not_applicable:
-                continue
-            if getattr(type(det), hook) is getattr(BlackBoxDetector, hook):
-                continue
+        """Call ``hook`` on every detector that defines it and is still active (its bound methods listed once per
+        hook: every training forward and step fires, so the loop over all detectors is not redone each time), but on
+        a ``BlackBoxDetector.sampled`` detector's forward and backward hooks only on sampled steps."""
+        sparse = hook in _SAMPLED_HOOKS and not self.ctx.sampled_step  # sampled detectors skip this step
+        listeners = self._listeners.get((hook, sparse))
+        if listeners is None:
+            listeners = self._listeners[hook, sparse] = [
+                (det, getattr(det, hook)) for det in self.detectors
+                if getattr(type(det), hook) is not getattr(BlackBoxDetector, hook) and not (sparse and det.sampled)
+                and det.id not in self.errors and det.id not in self.not_applicable]
+        timer = self.step_seconds if hook in _STEP_HOOKS else self.other_seconds
+        for det, method in listeners:
             start = time.perf_counter()
             try:
-                getattr(det, hook)(*args)
+                method(*args)
             except NotApplicable as e:
                 self.not_applicable[det.id] = str(e)
+                self._listeners.clear()  # relisted without it
             except Exception as e:  # a detector's bug must not break the user's loop
                 self.errors[det.id] = f"{hook}: {type(e).__name__}: {e}"
+                self._listeners.clear()
             finally:
                 seconds = time.perf_counter() - start
                 self._fired_s += seconds
-                timer = self.step_seconds if det.passive and hook in _STEP_HOOKS else self.other_seconds
-                timer[det.id] = timer.get(det.id, 0.0) + seconds
+                into = timer if det.passive else self.other_seconds
+                into[det.id] = into.get(det.id, 0.0) + seconds
 
 
 IMPLIED_LOSS_EVERY = 4  # steps: the implied loss costs two passes over the logits (~4% of a small model's step)
 _STEP_HOOKS = ("on_forward", "on_backward", "on_before_step", "on_after_step")  # fired inside the loop's training steps
+_SAMPLED_HOOKS = ("on_forward", "on_backward")  # a BlackBoxDetector.sampled detector's, fired on sampled steps only
 
 
 def _ranks(rank, world_size) -> tuple[int, int]:

@@ -64,8 +64,9 @@ class WatchContext:
     """What a black-box detector may see. ``step``: optimizer steps completed; ``last_batch``: the most recent
     training batch ({"input_ids", and "attention_mask", "labels", "position_ids" when the loop passed them});
     ``history``: one StepRecord per optimizer step; ``stale_grads``: filled by the watch at the first backward
-    after each optimizer step, {"params": how many of the optimizer's parameters still held a non-zero
-    gradient, "of": how many it has, "first": the first such parameter's name} or None when all were clear;
+    of each sampled step (``sampled_step``), {"params": how many of the optimizer's parameters still held a non-zero
+    gradient, "of": how many it has, "first": the first such parameter's name}, until that step's record; None when
+    all were clear or the step was not sampled;
     ``skipped_steps``: steps the loss scaler skipped so far (no optimizer hook fires for those)."""
 
     def __init__(self, model: torch.nn.Module, optimizer, *, scheduler=None, scaler=None, tokenizer=None,
@@ -179,6 +180,16 @@ class WatchContext:
                 return int(step)
         return None
 
+    DENSE_STEPS = 4  # a watch's first steps: every one is checked (what a bug does from the start shows at once)
+    SAMPLE_EVERY = 4  # then every SAMPLE_EVERY-th step (the checks of ``BlackBoxDetector.sampled`` detectors)
+
+    @property
+    def sampled_step(self) -> bool:
+        """Whether the step in progress is one the sampled checks look at: the first DENSE_STEPS steps of this watch,
+        then every SAMPLE_EVERY-th."""
+        local = self.step - self.start_step
+        return local < self.DENSE_STEPS or local % self.SAMPLE_EVERY == 0
+
     def optimizer_params(self) -> list[torch.Tensor]:
         """Every parameter of the optimizer's groups, once."""
         seen: dict[int, torch.Tensor] = {}
@@ -208,9 +219,14 @@ class BlackBoxDetector(Detector):
       on_crash(ctx, crash)                  the with-block raised: {type, message, frames: [(file, line, func)]}
     Raise ``NotApplicable`` (detectors.api) from a hook when the loop breaks the detector's assumption: the
     watch says so once in its report and calls the detector no more.
+
+    ``sampled``: the detector's on_forward/on_backward check a contract every step keeps alike (a bug breaks it on
+    every step), so the watch fires them on sampled steps only (``WatchContext.sampled_step``): every step the tiny
+    models of the bench take costs a few ms, and a check's fixed cost per call is what its overhead is made of.
     """
 
     track: ClassVar[str] = "black-box"
+    sampled: ClassVar[bool] = False
 
     def check_applicable(self, ctx: Any) -> None:
         """Black-box detectors declare no run paths: a hook raises ``NotApplicable`` where an assumption fails."""

@@ -3,55 +3,72 @@ and where its special tokens sit, without keeping the batches.
 
 A row's fingerprint is a hash of its real tokens (where attention_mask is 1) counted from its first real token, so
 the same document padded on either side, or to another length, hashes the same; a batch's is a hash of its rows in
-order. Both are int64 sums over the tensor (a few vectorized ops per forward).
+order. Both are wrapping int64 sums. The batch is copied to the host once and read with NumPy: a few small-array
+ops per training forward, where the same ops as torch calls cost several times more (each pays the dispatcher, and
+the caches are cold after a forward and backward).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _GEN = torch.Generator().manual_seed(0x5EED)
-_WEIGHTS = torch.randint(1, 2**62, (4096,), generator=_GEN, dtype=torch.int64) | 1  # odd: multiplication mixes
-_ROW_WEIGHTS = torch.randint(1, 2**62, (4096,), generator=_GEN, dtype=torch.int64) | 1
+_WEIGHTS = (torch.randint(1, 2**62, (4096,), generator=_GEN, dtype=torch.int64) | 1).numpy()  # odd: products mix
+_ROW_WEIGHTS = (torch.randint(1, 2**62, (4096,), generator=_GEN, dtype=torch.int64) | 1).numpy()
 
 
-def _weights(table: torch.Tensor, n: int) -> torch.Tensor:
-    if n <= table.numel():
+def _weights(table: np.ndarray, n: int) -> np.ndarray:
+    if n <= table.size:
         return table[:n]
-    reps = -(-n // table.numel())
-    return (table.repeat(reps)[:n] * torch.arange(1, n + 1, dtype=torch.int64)) | 1
+    reps = -(-n // table.size)
+    return (np.tile(table, reps)[:n] * np.arange(1, n + 1, dtype=np.int64)) | 1
 
 
-def _rows(ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """(ids as (B, T), the keep mask or None when every position is real, whether every row starts at 0)."""
-    ids = ids.detach()
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def _rows(ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """(ids as (B, T) int64, the keep mask or None when every position is real, whether every row starts at 0)."""
     if ids.dim() == 1:
         ids = ids[None]
+    host = _host(ids).astype(np.int64, copy=False)
     if mask is None or mask.shape != ids.shape:
-        return ids, None, True
-    keep = mask.detach() != 0
-    return ids, keep, bool(keep[:, 0].all())
+        return host, None, True
+    keep = _host(mask) != 0
+    return host, keep, bool(keep[:, 0].all()) if keep.shape[1] else True
+
+
+def _row_hashes(ids: np.ndarray, keep: np.ndarray | None, aligned: bool) -> np.ndarray:
+    t = ids.shape[-1]
+    with np.errstate(over="ignore"):  # the hash wraps around, as intended
+        if keep is None:
+            return ((ids + 7) * _weights(_WEIGHTS, t)).sum(-1) ^ t
+        if aligned:  # no left padding: positions are the columns
+            weighted = (ids + 7) * _weights(_WEIGHTS, t)
+        else:
+            weighted = (ids + 7) * _weights(_WEIGHTS, t)[np.maximum(keep.cumsum(-1) - 1, 0)]
+        return (weighted * keep).sum(-1) ^ keep.sum(-1)
 
 
 def row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B,) int64 hash of each row's real tokens, counted from its first real token (padding side and length do
     not matter). ``ids``: (B, T) or (T,) integer tensor; ``mask``: attention mask of the same shape or None."""
-    ids, keep, aligned = _rows(ids, mask)
-    ids = ids.to("cpu", torch.int64)
-    t = ids.shape[-1]
-    if keep is None:
-        return ((ids + 7) * _weights(_WEIGHTS, t)).sum(-1) ^ t
-    keep = keep.to("cpu")
-    if aligned:  # no left padding: positions are the columns
-        weighted = (ids + 7) * _weights(_WEIGHTS, t)
-    else:
-        weighted = (ids + 7) * _weights(_WEIGHTS, t)[(keep.cumsum(-1) - 1).clamp_min(0)]
-    return (weighted * keep).sum(-1) ^ keep.sum(-1)
+    return torch.from_numpy(_row_hashes(*_rows(ids, mask)))
 
 
-def batch_hash(rows: torch.Tensor) -> int:
-    """One int for a batch from its row hashes (order matters)."""
-    return int((rows * _weights(_ROW_WEIGHTS, rows.numel())).sum())
+def batch_hash(rows) -> int:
+    """One int for a batch from its row hashes (order matters): a tensor or array of them."""
+    rows = np.asarray(rows, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        return int((rows * _weights(_ROW_WEIGHTS, rows.size)).sum())
+
+
+def fingerprint(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]) -> tuple[list[int], dict]:
+    """A training batch read once: its rows' hashes and its ``layout`` counts."""
+    rows = _rows(ids, mask)
+    return _row_hashes(*rows).tolist(), _layout(*rows, special)
 
 
 def special_ids(tokenizer) -> dict[str, int]:
@@ -87,35 +104,29 @@ def layout(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]
     real token is BOS), "bos2" (first two are BOS), "eos" (last real token is EOS), "full" (rows as long as the
     batch: its longest, and any cut at the length limit) and "full_eos" (of them, those ending with EOS). A few
     tensor ops on the mask's row sums and the rows' first, second and last tokens, one transfer."""
-    ids, keep, aligned = _rows(ids, mask)
+    return _layout(*_rows(ids, mask), special)
+
+
+def _layout(ids: np.ndarray, keep: np.ndarray | None, aligned: bool, special: dict[str, int]) -> dict[str, int]:
     b, t = ids.shape
-    lengths = keep.sum(-1) if keep is not None else torch.full((b,), t, device=ids.device)
-    counts = [lengths.max() if b else torch.tensor(t)]
-    if special and t >= 2:
-        counts += _ends(ids, keep, aligned, lengths, special)
-    longest, *ends = torch.stack([c.to(ids.device) for c in counts]).tolist()
+    lengths = keep.sum(-1) if keep is not None else np.full(b, t)
+    longest = int(lengths.max()) if b else t
     out = {"rows": b, "len": t, "cells": b * t, "idle": b * (t - longest)}
-    if ends:
-        first_bos, both_bos, last_eos, full, full_eos = ends
-        if "bos" in special:
-            out["bos"], out["bos2"] = first_bos, both_bos
-        if "eos" in special:
-            out["eos"], out["full"], out["full_eos"] = last_eos, full, full_eos
-    return out
-
-
-def _ends(ids, keep, aligned, lengths, special) -> list[torch.Tensor]:
-    """[rows starting with BOS, with two BOS, ending with EOS, as long as the batch, of them ending with EOS]."""
-    t = ids.shape[1]
+    if not special or t < 2:
+        return out
     if keep is None:
         picked = ids[:, [0, 1, t - 1]]
     elif aligned:  # no left padding: the last real token sits at length - 1
-        picked = torch.cat([ids[:, :2], ids.gather(1, (lengths[:, None] - 1).clamp_min(0))], 1)
+        picked = np.concatenate([ids[:, :2], np.take_along_axis(ids, np.maximum(lengths - 1, 0)[:, None], 1)], 1)
     else:
-        first = keep.int().argmax(-1)
-        last = t - 1 - keep.int().flip(-1).argmax(-1)
-        picked = ids.gather(1, torch.stack([first, (first + 1).clamp_max(t - 1), last], 1))
-    bos, eos = special.get("bos", -1), special.get("eos", -1)
-    hits = picked == torch.tensor([bos, bos, eos], device=ids.device)
+        first = keep.argmax(-1)
+        last = t - 1 - keep[:, ::-1].argmax(-1)
+        picked = np.take_along_axis(ids, np.stack([first, np.minimum(first + 1, t - 1), last], 1), 1)
+    hits = picked == np.array([special.get("bos", -1), special.get("bos", -1), special.get("eos", -1)])
     full = lengths == t
-    return [hits[:, 0].sum(), (hits[:, 0] & hits[:, 1]).sum(), hits[:, 2].sum(), full.sum(), (full & hits[:, 2]).sum()]
+    if "bos" in special:
+        out["bos"], out["bos2"] = int(hits[:, 0].sum()), int((hits[:, 0] & hits[:, 1]).sum())
+    if "eos" in special:
+        out["eos"], out["full"] = int(hits[:, 2].sum()), int(full.sum())
+        out["full_eos"] = int((full & hits[:, 2]).sum())
+    return out

@@ -69,30 +69,52 @@ class Implied:
 _cache: tuple[weakref.ref, Implied] | None = None
 
 
+def _core(z: torch.Tensor, g: torch.Tensor):
+    """(g_y, y, labelled, nll, 1 - p(y)) per position of float logits ``z`` and their gradient ``g``."""
+    g_y, y = g.min(-1)
+    nll = (torch.logsumexp(z, -1) - z.gather(-1, y.unsqueeze(-1)).squeeze(-1)).clamp(min=0)
+    return g_y, y, g_y < 0, nll, -torch.expm1(-nll)
+
+
+def _loss(g_y: torch.Tensor, labelled: torch.Tensor, nll: torch.Tensor, q: torch.Tensor) -> float:
+    """sum(w * nll) = sum(-g_y * nll / q), stable where p(y) -> 1 (nll / q -> 1)."""
+    ratio = torch.where(q > 1e-12, nll / q.clamp(min=1e-12), torch.ones_like(q))
+    return float((-g_y * ratio * labelled).sum())
+
+
+def _shaped(logits: torch.Tensor, grad: torch.Tensor) -> bool:
+    return logits.dim() == 3 and grad.shape == logits.shape and logits.is_floating_point()
+
+
 def implied(logits: torch.Tensor, grad: torch.Tensor) -> Implied | None:
     """The labels, weights and loss implied by ``grad`` = d loss / d ``logits`` (B, T, V), or None for other
     shapes. Cost: one min and one logsumexp over the logits (cached for the same ``grad`` object)."""
     global _cache
     if _cache is not None and _cache[0]() is grad:
         return _cache[1]
-    if logits.dim() != 3 or grad.shape != logits.shape or not logits.is_floating_point():
+    if not _shaped(logits, grad):
         return None
     with torch.no_grad():
         z, g = logits.detach().float(), grad.detach().float()
-        g_y, y = g.min(-1)
-        labelled = g_y < 0
-        nll = torch.logsumexp(z, -1) - z.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-        nll = nll.clamp(min=0)
-        q = -torch.expm1(-nll)  # 1 - p(y)
+        g_y, y, labelled, nll, q = _core(z, g)
         measurable = labelled & (q > SATURATED)
         w = torch.where(measurable, -g_y / q.clamp(min=SATURATED), torch.zeros_like(q))
         w = torch.where(labelled & ~measurable, torch.full_like(w, math.nan), w)
-        # w * nll, stable where p(y) -> 1: -g_y * nll / q with nll / q -> 1
-        ratio = torch.where(q > 1e-12, nll / q.clamp(min=1e-12), torch.ones_like(q))
-        loss = float((-g_y * ratio * labelled).sum())
-        result = Implied(labelled, y, w, nll, loss, _residual(z, g, y, w, measurable))
+        result = Implied(labelled, y, w, nll, _loss(g_y, labelled, nll, q), _residual(z, g, y, w, measurable))
     _cache = (weakref.ref(grad), result)
     return result
+
+
+def implied_loss(logits: torch.Tensor, grad: torch.Tensor) -> float | None:
+    """``implied(logits, grad).loss`` alone: the analysis of the same backward when a detector made it, else only
+    the loss's terms (no weights, no residual: about half the cost)."""
+    if _cache is not None and _cache[0]() is grad:
+        return _cache[1].loss
+    if not _shaped(logits, grad):
+        return None
+    with torch.no_grad():
+        g_y, _, labelled, nll, q = _core(logits.detach().float(), grad.detach().float())
+        return _loss(g_y, labelled, nll, q)
 
 
 def _residual(z, g, y, w, measurable, sample: int = 32) -> float | None:

@@ -101,6 +101,7 @@ class GraphsReleased(BlackBoxDetector):
     loss (or logits) tensor stored for logging without ``.item()``/``.detach()``, and memory grows every step."""
 
     id = "bb_graphs_released"
+    sampled = True  # every step keeps the contract alike
     family = "optimizer"
     description = "a training step's autograd graph still alive steps after the step (loss kept as a tensor)"
     LAG = 2
@@ -375,6 +376,7 @@ class PadIds(BlackBoxDetector):
     are ignored; where it is 1 there is no pad id (unless pad doubles as another special token, e.g. EOS)."""
 
     id = "bb_pad_ids"
+    sampled = True  # every batch keeps the contract alike
     family = "collate"
     description = "padding in the batches vs the tokenizer's pad id: masked real tokens, trained pads"
 

@@ -201,3 +201,42 @@ def test_only_black_box_detectors_are_accepted():
     white = next(d for d, cls in all_detectors().items() if cls.track == "white-box")
     with pytest.raises(ValueError, match="not black-box detectors"):
         faultbench.watch(model, optimizer, detectors=[white])
+
+
+class SampledSpy(Spy):
+    """The spy, declared sampled: its training-forward checks run on sampled steps only."""
+
+    id = "test_sampled_spy"
+    sampled = True
+
+
+def test_a_sampled_detector_sees_the_first_steps_then_every_fourth_and_the_others_every_step(spies, monkeypatch):
+    monkeypatch.setitem(DETECTORS, SampledSpy.id, SampledSpy)
+    w, _, _ = loop({"detectors": ["test_spy", "test_sampled_spy"]}, steps=10)
+    every, sampled = w.detectors
+
+    def steps_seen(spy):  # the optimizer steps done before each training forward the spy saw
+        seen, done = [], 0
+        for call in spy.calls:
+            done += call[0] == "step"
+            if call[0] == "forward":
+                seen.append(done)
+        return sorted(set(seen))
+
+    assert steps_seen(every) == list(range(10))
+    assert steps_seen(sampled) == [0, 1, 2, 3, 4, 8]
+    assert [c[0] for c in sampled.calls].count("step") == 10  # step records and evaluations are never sampled
+    assert [c[0] for c in sampled.calls].count("eval") == 1
+
+
+def test_a_forgotten_zero_grad_is_still_found_with_the_stale_check_on_sampled_steps_only():
+    torch.manual_seed(0)
+    model, optimizer, _ = build(TrainConfig())
+    with faultbench.watch(model, optimizer, detectors=["bb_grads_cleared"], report=False) as w:
+        for _ in range(10):
+            x, y = get_batch("train", 4, 16)
+            model(x, targets=y)[1].backward()
+            optimizer.step()  # zero_grad forgotten
+    (finding,) = w.findings
+    assert finding.subsystem == "optimizer" and finding.step == 3  # stale at steps 2 and 3, as with every step
+    assert [s["step"] for s in finding.evidence["steps"]] == [2, 3]
