@@ -98,6 +98,11 @@ def _signature(model: torch.nn.Module) -> inspect.Signature | None:
         return None
 
 
+def _scalar(value) -> float:
+    """A number the loop hands over, as a tensor or not."""
+    return float(value.detach() if isinstance(value, torch.Tensor) else value)
+
+
 def _nonzero(grad) -> bool:
     """Whether a .grad holds anything (NaN counts): one reduction."""
     return grad is not None and bool(grad.detach().any())
@@ -184,13 +189,11 @@ class Watch:
         evaluation (gathered, as Trainer's ``eval_loss``) and every rank calls ``observe`` with it. ``grad_norm``:
         the norm the loop reports for the gradients of the step it just took (the norm it clipped), after the step."""
         if loss is not None:
-            self._losses.append(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+            self._losses.append(_scalar(loss))
         if eval_loss is not None:
-            value = float(eval_loss.detach() if isinstance(eval_loss, torch.Tensor) else eval_loss)
-            self._fire("on_eval_loss", self.ctx, value, across_ranks)
+            self._fire("on_eval_loss", self.ctx, _scalar(eval_loss), across_ranks)
         if grad_norm is not None:
-            self._fire("on_grad_norm", self.ctx, float(grad_norm.detach() if isinstance(grad_norm, torch.Tensor)
-                                                        else grad_norm))
+            self._fire("on_grad_norm", self.ctx, _scalar(grad_norm))
 
     def to_dict(self) -> dict:
         return {"steps": self.ctx.step, "findings": [f.to_dict() for f in self.findings],
@@ -546,10 +549,7 @@ def record_golden(runs, path=None) -> dict:
                          "grad_norm": span(h[i].grad_norm for h in histories), "lrs": lrs(i)} for i in range(steps)],
               "final_loss": span(h[-1].loss for h in histories),
               "scaled": all(r.scale is not None for h in histories for r in h)}
-    configs = [next((r.groups for r in h if r.groups is not None), None) for h in histories]
-    golden["groups"] = configs[0] if configs[0] is not None and all(c == configs[0] for c in configs) else None
-    models = [next((r.model for r in h if r.model is not None), None) for h in histories]
-    golden["model"] = models[0] if models[0] is not None and all(m == models[0] for m in models) else None
+    golden["groups"], golden["model"] = _agreed(histories, "groups"), _agreed(histories, "model")
     layouts = [[r.layout for r in h if r.layout] for h in histories]
     if all(layouts):
         runs = [layout_fractions(run) for run in layouts]
@@ -565,6 +565,12 @@ def record_golden(runs, path=None) -> dict:
     if path is not None:
         Path(path).write_text(json.dumps(golden, indent=1))
     return golden
+
+
+def _agreed(histories: list[list[StepRecord]], field: str):
+    """A first-record-only ``field`` (``groups``, ``model``) when every run recorded the same value, else None."""
+    values = [next((getattr(r, field) for r in h if getattr(r, field) is not None), None) for h in histories]
+    return values[0] if values[0] is not None and all(v == values[0] for v in values) else None
 
 
 def _history(run) -> list[StepRecord]:

@@ -190,6 +190,15 @@ class WatchContext:
         local = self.step - self.start_step
         return local < self.DENSE_STEPS or local % self.SAMPLE_EVERY == 0
 
+    def all_gather(self, values) -> list[list[float]]:
+        """Every rank's ``values`` (a few numbers, float64), gathered on the parameters' device: a collective, so
+        every rank must call it at the same point."""
+        device = next((p.device for p in self.optimizer_params()), torch.device("cpu"))
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(gathered, mine)
+        return torch.stack(gathered).cpu().tolist()
+
     def optimizer_params(self) -> list[torch.Tensor]:
         """Every parameter of the optimizer's groups, once."""
         seen: dict[int, torch.Tensor] = {}

@@ -15,10 +15,10 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from faultbench.detectors.api import NotApplicable, register
 from faultbench.detectors.blackbox.api import BlackBoxDetector, WatchContext
+from faultbench.detectors.blackbox.probes import token_nll
 
 
 def _labels_preshifted(ids: torch.Tensor, labels: torch.Tensor) -> bool:
@@ -40,18 +40,13 @@ def target_nll(batch: dict, logits: torch.Tensor | None) -> tuple[float, int] | 
             and logits.dim() == 3 and logits.shape[:2] == ids.shape and ids.shape[1] > 1):
         return None
     if isinstance(labels, torch.Tensor) and labels.shape == ids.shape:
-        preshifted = _labels_preshifted(ids, labels)
-        scores, targets = (logits, labels) if preshifted else (logits[:, :-1], labels[:, 1:])
-        keep = targets >= 0
+        scores, targets = (logits, labels) if _labels_preshifted(ids, labels) else (logits[:, :-1], labels[:, 1:])
     else:
-        scores, targets = logits[:, :-1], ids[:, 1:]
         has_mask = isinstance(mask, torch.Tensor) and mask.shape == ids.shape
         real = mask != 0 if has_mask else torch.ones_like(ids, dtype=torch.bool)
-        keep = real[:, :-1] & real[:, 1:]
-    count = int(keep.sum())
-    if not count:
-        return None
-    return float(F.cross_entropy(scores[keep].float(), targets[keep], reduction="sum")), count
+        scores, targets = logits[:, :-1], torch.where(real[:, :-1] & real[:, 1:], ids[:, 1:], -1)
+    total, count = token_nll(scores, targets)
+    return (total, count) if count else None
 
 
 def spans(batches: np.ndarray, contiguous: bool) -> np.ndarray:
@@ -102,7 +97,7 @@ class EvalLoss(BlackBoxDetector):
         batches = np.array(self._batches, dtype=np.float64).reshape(-1, 3)
         whole = spans(batches, contiguous=False)
         if across_ranks and ctx.world_size > 1 and torch.distributed.is_initialized():
-            whole = self._all_ranks(ctx, whole)  # a collective: before any return (every rank reports)
+            whole = np.array(ctx.all_gather(whole[0].tolist())).sum(0, keepdims=True)  # a collective: before any return
         if self.findings or not whole[0, 1] or not np.isfinite(whole).all():
             return
         candidates = conventions(whole if across_ranks else spans(batches, contiguous=True))
@@ -118,14 +113,6 @@ class EvalLoss(BlackBoxDetector):
                     {"reported": eval_loss, "token_mean": token_mean, "batch_means": whole[2] / whole[3],
                      "targets": int(whole[1]), "forwards": int(whole[3]), "across_ranks": across_ranks},
                     confidence=0.75)
-
-    @staticmethod
-    def _all_ranks(ctx: WatchContext, whole: np.ndarray) -> np.ndarray:
-        """This rank's evaluation sums (``spans``, (1, 6)) summed over every rank's."""
-        device = next((p.device for p in ctx.model.parameters()), torch.device("cpu"))
-        total = torch.tensor(whole, dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(total)
-        return total.cpu().numpy()
 
     def on_end(self, ctx: WatchContext) -> None:
         if not self._reported and not ctx.evaluations_follow:

@@ -577,12 +577,7 @@ class LossNormalization(_GradientDetector):
             sync.local = sync.synced = None
             if self._done(ctx):
                 sync.remove()
-        device = next((p.device for p in ctx.optimizer_params()), torch.device("cpu"))
-        mine = torch.tensor([valid, self._unfit is not None, point["weight_sum"], point["targets"], local, synced],
-                            dtype=torch.float64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        torch.distributed.all_gather(gathered, mine)
-        rows = torch.stack(gathered).cpu().tolist()
+        rows = ctx.all_gather([valid, self._unfit is not None, point["weight_sum"], point["targets"], local, synced])
         if any(r[1] for r in rows):
             if sync is not None:
                 sync.remove()
@@ -710,11 +705,7 @@ class ReportedGradNorm(BlackBoxDetector):
         if ctx.step - ctx.start_step > self.CHECK_STEPS:  # the step just taken was not measured
             return
         if ctx.world_size > 1:  # a collective: every rank takes part at the same steps
-            device = next((p.device for p in ctx.optimizer_params()), torch.device("cpu"))
-            mine = torch.tensor([measured], dtype=torch.float64, device=device)
-            gathered = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-            torch.distributed.all_gather(gathered, mine)
-            measured = max(float(g) for g in gathered)
+            measured = max(row[0] for row in ctx.all_gather([measured]))
         self._bounds[ctx.step] = measured
         self._compare(ctx, ctx.step)
 

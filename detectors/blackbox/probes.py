@@ -633,7 +633,7 @@ determinism, output_contract, causality, padding_invariance, position_shift, att
 IGNORE = -100
 
 
-def _nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
     """(sum of token NLLs, count) of logits (B, T, V) against targets (B, T), ignoring -100 and -1."""
     keep = targets >= 0
     if not keep.any():
@@ -672,9 +672,9 @@ def label_alignment(batch: dict, logits: torch.Tensor, loss: torch.Tensor | floa
     logits = logits.detach()
     mask = labels != IGNORE
     if torch.equal(labels[mask], ids[mask]):  # aligned with the inputs: the next token is one further
-        right, wrong = _nll(logits[:, :-1], labels[:, 1:]), _nll(logits, labels)
+        right, wrong = token_nll(logits[:, :-1], labels[:, 1:]), token_nll(logits, labels)
     else:  # the loop shifted already: position i's target is labels[i]; its own token is ids[i]
-        right, wrong = _nll(logits, labels), _nll(logits, torch.where(mask, ids, IGNORE))
+        right, wrong = token_nll(logits, labels), token_nll(logits, torch.where(mask, ids, IGNORE))
     if abs(right[0] / max(right[1], 1) - wrong[0] / max(wrong[1], 1)) <= 10 * tol * abs(right[0] / max(right[1], 1)):
         return None  # the two readings are too close to tell apart on this batch
     if _explains(loss, *right, tol) or not _explains(loss, *wrong, tol):
