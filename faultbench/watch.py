@@ -13,16 +13,17 @@ What it attaches (all removed on exit, also when the block raises; nothing of to
   backward begins, before any parameter's gradient is accumulated: is ``.grad`` still holding the previous step's
   gradient?); no per-parameter hook runs in the loop's steps, except under an enabled scaler a post-accumulate
   hook on the parameter whose gradient a backward completes last (the gradient norm as the backward left it,
-  before clipping and unscaling: one fused norm per backward);
+  before clipping and unscaling: one fused norm per sampled backward);
 - each training batch's fingerprint (detectors.blackbox.batches: a hash per row and per batch, and where the
   tokenizer's BOS/EOS sit), in the step's record;
-- the optimizer's step pre-/post-hooks: the lr of each group, the gradient norm it steps with, the scaler's
-  scale; one ``StepRecord`` per step;
+- the optimizer's step pre-/post-hooks: the lr of each group, the gradient norm it steps with (on sampled steps:
+  ``WatchContext.sampled_step``, the first 4, then every 4th), the scaler's scale; one ``StepRecord`` per step;
 - on the logits of each training forward (when a detector takes ``on_backward``, or the model returned no loss):
   a gradient hook giving d loss / d logits (divided by an enabled scaler's scale) to ``on_backward``; from it
   the loss the loop differentiated (sum of weight x NLL over the positions, detectors.blackbox.gradients) fills
-  the step's loss when no loss was observed, on every ``IMPLIED_LOSS_EVERY``-th step (from the first; the
-  others keep None: two passes over the logits cost a few % of a small model's step).
+  the step's loss when no loss was observed, on the watch's first ``IMPLIED_LOSS_DENSE`` steps (where the gradient
+  detectors analyse the same gradients: no extra cost) and then every ``IMPLIED_LOSS_EVERY``-th (the others keep
+  None: two passes over the logits cost a few % of a small model's step).
 Detector errors never reach the loop: they are kept in the report. ``observe(loss=...)`` gives the loss of a
 loop whose model does not return it; ``observe(eval_loss=...)`` the evaluation loss the loop reports (checked
 against the evaluation forwards' own next-token NLL).
@@ -53,15 +54,12 @@ _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids
               "labels": "labels", "targets": "labels", "y": "labels"}
 
 
-def normalize_call(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> dict:
-    """A forward's arguments as {"input_ids", "attention_mask"?, "position_ids"?, "labels"?} tensors: bound by
-    the forward's signature, else the first integer tensor is the input ids."""
-    named = dict(kwargs)
-    if signature is not None:
-        try:
-            named = dict(signature.bind_partial(*args, **kwargs).arguments)
-        except TypeError:
-            pass
+def normalize_call(positional: tuple[str, ...] | None, args: tuple, kwargs: dict) -> dict:
+    """A forward's arguments as {"input_ids", "attention_mask"?, "position_ids"?, "labels"?} tensors: positional
+    arguments named by ``positional`` (the forward's parameters that take them, in order; ``_positional``), else
+    the first integer tensor is the input ids."""
+    named = dict(zip(positional, args, strict=False)) if positional else {}  # *args past the names
+    named.update(kwargs)
     batch = {_ARG_NAMES[k]: v for k, v in named.items() if k in _ARG_NAMES and isinstance(v, torch.Tensor)}
     if "input_ids" not in batch:
         ids = next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()), None)
@@ -91,11 +89,16 @@ def _unwrap_optimizer(optimizer):
     return optimizer
 
 
-def _signature(model: torch.nn.Module) -> inspect.Signature | None:
+def _positional(model: torch.nn.Module) -> tuple[str, ...] | None:
+    """The names of the parameters of ``model.forward`` that positional arguments fill, in order; None when the
+    signature cannot be read. Read once: binding each call's arguments to the signature costs tens of microseconds
+    a forward."""
     try:
-        return inspect.signature(model.forward)
+        params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError):
         return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)  # all before any *args
+    return tuple(p.name for p in params if p.kind in kinds)
 
 
 def _scalar(value) -> float:
@@ -152,11 +155,10 @@ class Watch:
         self.not_applicable: dict[str, str] = {}
         self.errors: dict[str, str] = {}
         self._handles: list = []
-        self._signature = _signature(model)
+        self._positional = _positional(model)
         self._pending: dict | None = None  # the batch of the call in flight
         self._losses: list[float] = []
         self._implied: list[float] = []  # each backward's loss implied by the logits' gradient (no loss observed)
-        self._on_backward = any(type(d).on_backward is not BlackBoxDetector.on_backward for d in self.detectors)
         self._micro = 0
         self._fresh = True  # no backward yet since the last optimizer step
         self._trainable = [p for p in self.ctx.optimizer_params() if p.requires_grad]  # groups fixed at enter
@@ -165,8 +167,8 @@ class Watch:
         self._before: dict = {}
         self._scale: float | None = None  # the scaler's scale when last read
         self._skips_recorded = 0  # ctx.skipped_steps at the last StepRecord
-        # seconds per detector in the loop's steps (passive hooks: the overhead) and elsewhere (start, end, probes),
-        # and the watch's own hook time under "watch"
+        # seconds per detector in the loop's steps (a passive detector's: its overhead; a probe's there is counted
+        # apart by the scorer) and elsewhere (start, end, evaluation), and the watch's own hook time under "watch"
         self.step_seconds: dict[str, float] = {}
         self.other_seconds: dict[str, float] = {}
         self._fired_s = 0.0
@@ -288,7 +290,7 @@ class Watch:
 
     def _before_forward(self, module, args, kwargs) -> None:
         self._eval_call = not (torch.is_grad_enabled() and module.training)
-        self._pending = self.ctx.pending_batch = normalize_call(self._signature, args, kwargs)
+        self._pending = self.ctx.pending_batch = normalize_call(self._positional, args, kwargs)
         if self.ctx.rng_at_start is None and torch.is_grad_enabled() and module.training:
             self.ctx.rng_at_start = torch.get_rng_state()  # the global RNG as the first training forward finds it
 
@@ -309,9 +311,10 @@ class Watch:
                 self._stale_hooked = True
                 logits.register_hook(self._guard(self._grad_arrives))
             self._fire("on_forward", self.ctx, batch, logits, loss)
-            # the loss the backward differentiates, when the model returns none: every IMPLIED_LOSS_EVERY-th step
-            implied_loss = loss is None and self.ctx.step % IMPLIED_LOSS_EVERY == 0
-            if isinstance(logits, torch.Tensor) and logits.requires_grad and (self._on_backward or implied_loss):
+            # the loss the backward differentiates, when the model returns none: on the dense steps, then sparsely
+            implied_loss = loss is None and self.ctx.sampled_every(IMPLIED_LOSS_EVERY, IMPLIED_LOSS_DENSE)
+            if isinstance(logits, torch.Tensor) and logits.requires_grad and (implied_loss or self._listening(
+                    "on_backward")):
                 self._hook_logits(batch, logits, implied_loss)
         else:
             self._eval_fingerprint(batch)
@@ -328,10 +331,9 @@ class Watch:
                 scale = float(self.ctx.scaler.get_scale())
                 if scale != 1.0:
                     grad = grad / scale
-            if self._on_backward:
-                self._fire("on_backward", self.ctx, batch, detached, grad)
+            self._fire("on_backward", self.ctx, batch, detached, grad)
             if implied_loss:  # after the detectors: the analysis one of them made of this gradient is reused
-                loss = implied_loss_of(detached, grad)
+                loss = implied_loss_of(detached, grad, batch)
                 if loss is not None:
                     self._implied.append(loss)
 
@@ -402,7 +404,7 @@ class Watch:
         step sees them only after clipping and unscaling). Measured only under an enabled scaler, where clipping
         before unscaling is possible (the one reader, bb_clip_scaled)."""
         if self._last_param is not None:  # learned: only the backward's last gradient completes it
-            if param is self._last_param:
+            if param is self._last_param and self.ctx.sampled_step:
                 self._backward_norm = _norm(p.grad for p in self._trainable if p.grad is not None)
             return
         self._arrived.add(id(param))
@@ -415,10 +417,11 @@ class Watch:
                     handle.remove()
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        scaler = self.ctx.scaler
+        scaler, sampled = self.ctx.scaler, self.ctx.sampled_step
         self.ctx.backward_seen = not self._fresh
-        self._before = {"lrs": [float(g["lr"]) for g in optimizer.param_groups],
-                        "grad_norm": _norm(p.grad for p in self._trainable if p.grad is not None),
+        self._before = {"lrs": [float(g["lr"]) for g in optimizer.param_groups], "sampled": sampled,
+                        # a fused norm over every gradient costs ~1% of a small model's step: sampled steps only
+                        "grad_norm": _norm(p.grad for p in self._trainable if p.grad is not None) if sampled else None,
                         "backward_norm": self._backward_norm,
                         "scale": float(scaler.get_scale()) if self.ctx.scaler_enabled else None}
         self._fire("on_before_step", self.ctx)
@@ -434,7 +437,7 @@ class Watch:
         record = StepRecord(ctx.step, loss, before["lrs"], before["grad_norm"], before["backward_norm"],
                             before["scale"], skipped, self._micro, self._batches, self._layout,
                             ctx.optimizer_count(), None if ctx.history else ctx.group_config(),
-                            model=None if ctx.history else ctx.model_structure())
+                            model=None if ctx.history else ctx.model_structure(), sampled=before["sampled"])
         for h in self._batches:
             ctx.batches_seen.setdefault(h, ctx.step)
         ctx.rng_at_step = torch.get_rng_state()  # a 5 KB copy; compared only at a resume
@@ -447,22 +450,29 @@ class Watch:
         ctx.stale_grads = None  # measured again at the next sampled step's first backward
 
     # ---- detectors
-    def _fire(self, hook: str, *args) -> None:
-        """Call ``hook`` on every detector that defines it and is still active (its bound methods listed once per
-        hook: every training forward and step fires, so the loop over all detectors is not redone each time), but on
-        a ``BlackBoxDetector.sampled`` detector's forward and backward hooks only on sampled steps."""
+    def _listening(self, hook: str) -> list:
+        """[(detector, bound hook)] of the detectors to call for ``hook`` now: those that define it and are still
+        active (listed once per hook: every training forward and step fires, so the loop over all detectors is not
+        redone each time), less those that retired from it, and on a step that is not sampled
+        (``WatchContext.sampled_step``) less the ``BlackBoxDetector.sampled`` ones' forward and backward hooks."""
         sparse = hook in _SAMPLED_HOOKS and not self.ctx.sampled_step  # sampled detectors skip this step
         listeners = self._listeners.get((hook, sparse))
         if listeners is None:
             listeners = self._listeners[hook, sparse] = [
                 (det, getattr(det, hook)) for det in self.detectors
                 if getattr(type(det), hook) is not getattr(BlackBoxDetector, hook) and not (sparse and det.sampled)
-                and det.id not in self.errors and det.id not in self.not_applicable]
+                and hook not in det.retired and det.id not in self.errors and det.id not in self.not_applicable]
+        return listeners
+
+    def _fire(self, hook: str, *args) -> None:
+        """Call ``hook`` on the detectors ``_listening`` to it."""
         timer = self.step_seconds if hook in _STEP_HOOKS else self.other_seconds
-        for det, method in listeners:
+        for det, method in self._listening(hook):
             start = time.perf_counter()
             try:
                 method(*args)
+                if hook in det.retired:
+                    self._listeners.clear()  # relisted without it
             except NotApplicable as e:
                 self.not_applicable[det.id] = str(e)
                 self._listeners.clear()  # relisted without it
@@ -472,11 +482,13 @@ class Watch:
             finally:
                 seconds = time.perf_counter() - start
                 self._fired_s += seconds
-                into = timer if det.passive else self.other_seconds
-                into[det.id] = into.get(det.id, 0.0) + seconds
+                timer[det.id] = timer.get(det.id, 0.0) + seconds  # a probe's too: inside a step, not the loop's time
 
 
-IMPLIED_LOSS_EVERY = 4  # steps: the implied loss costs two passes over the logits (~4% of a small model's step)
+# the implied loss costs two passes over the logits (~4% of a small model's step): on a watch's first steps (the
+# gradient detectors' analysis of the same backwards gives it), then every IMPLIED_LOSS_EVERY-th step
+IMPLIED_LOSS_DENSE = 2
+IMPLIED_LOSS_EVERY = 8
 _STEP_HOOKS = ("on_forward", "on_backward", "on_before_step", "on_after_step")  # fired inside the loop's training steps
 _SAMPLED_HOOKS = ("on_forward", "on_backward")  # a BlackBoxDetector.sampled detector's, fired on sampled steps only
 

@@ -390,7 +390,8 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
     from faultbench.harness.report import write_results
 
     registry = all_detectors()
-    rows = [row for record in records for row in case_rows(record, faults, suite_ids(), black_box_suite_ids())]
+    passive = lambda d: d not in registry or registry[d].passive  # noqa: E731
+    rows = [row for record in records for row in case_rows(record, faults, suite_ids(), black_box_suite_ids(), passive)]
     names = [t for t in targets.names() if any(target_of(r) == t for r in records)]
     per_target, per_timings = {}, {}
     for t in names:

@@ -22,7 +22,7 @@ from faultbench.harness.score import BLACKBOX, SUITE
 COLUMNS = ("case", "target", "fault", "recipe", "seed", "detector", "detected", "findings", "first_step", "latency",
            "top1_subsystem", "top3_subsystem", "rr_subsystem", "top1_seam", "top3_seam", "rr_seam",
            "manifested", "top_detector", "top_subsystem", "top_seam", "crash", "hang", "error")
-TIMING_COLUMNS = ("case", "detector", "train_s", "step_s", "other_s")
+TIMING_COLUMNS = ("case", "detector", "train_s", "loop_s", "step_s", "other_s")
 TIMING_KEYS = ("overhead_ratio", "hook_s")  # the aggregate scores that are timings
 SCORE_COLUMNS = (("fault_cases", "shown"), ("not_shown_cases", "not shown"), ("detection_rate", "detect"),
                  ("false_positive_rate", "FP"), ("top1_subsystem", "top1 sub"), ("top3_subsystem", "top3 sub"),

@@ -9,7 +9,11 @@ Definitions (per detector, and for the suite = the union of the non-baseline det
 - latency: the step of the first finding with an acceptable subsystem minus the trigger step (the
   checkpoint's step for on-resume faults, else 0), never below 0: an offline checker (TrainCheck) can pin
   a violation on an event before the trigger, which is not an earlier detection;
-- overhead: train time / (train time - time spent in the passive detectors' step hooks), same run;
+- overhead: (loop time + the passive detectors' step-hook seconds) / loop time, same run, where the loop time is
+  the train time less every hook's seconds inside the steps (both tracks' detectors, passive or probing, and the
+  watch's own): a probe's or the other track's hooks in the train time would otherwise flatter the ratio. It
+  counts what the hooks themselves spend; what attaching them costs beyond that (a hooked module's slower call
+  path, colder caches) only an A/B run sees: ``benchmarks/detector_overhead.py``;
 - shown: a fault case in which the fault manifested (its run behaved unlike the clean case of the same
   recipe, seed and detectors: ``harness.bench.mark_manifested``). Detection, localization and latency are
   means over the shown cases only; the cases where the fault did not show are counted beside them
@@ -91,8 +95,10 @@ def seam_of(finding: dict, seams) -> str | None:
     return name if name in seams else None
 
 
-def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str], blackbox_ids=()) -> list[dict]:
-    """One row per detector of the case, and one per track's suite when the case ran detectors of it."""
+def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str], blackbox_ids=(),
+              passive=lambda detector: True) -> list[dict]:
+    """One row per detector of the case, and one per track's suite when the case ran detectors of it (its step
+    seconds: its ``passive`` members' and its machinery's)."""
     seams = _seam_table(target_of(record))
     record = {**record, "findings": [{**f, "seam": seam_of(f, seams)} for f in record["findings"]]}
     case = record["case"]
@@ -102,6 +108,8 @@ def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str], black
             "fault": case["faults"][0] if case["faults"] else "", "recipe": case["recipe"],
             "seed": case["seed"], "crash": (record["crash"] or {}).get("type", ""),
             "hang": bool(record.get("hang")), "train_s": record.get("train_s", 0.0),
+            # the loop alone: every hook's seconds inside the steps taken out
+            "loop_s": record.get("train_s", 0.0) - sum(record["step_seconds"].values()),
             "manifested": record.get("manifested") if case["faults"] else None}
     rows = []
     for det in case["detectors"]:
@@ -114,7 +122,7 @@ def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str], black
         if not members:
             continue
         found = [f for f in record["findings"] if f["detector"] in members]
-        timed = [*members, *machinery]  # the watch's own hook time is the black-box track's overhead too
+        timed = [*filter(passive, members), *machinery]  # the watch's own hook time is its track's overhead too
         rows.append({**base, "detector": name, **score_findings(found, fault, trig),
                      "step_s": sum(record["step_seconds"].get(d, 0.0) for d in timed),
                      "other_s": sum(record["other_seconds"].get(d, 0.0) for d in timed),
@@ -133,8 +141,8 @@ def aggregate(rows: list[dict], passive: dict[str, bool]) -> dict:
     faulty = [r for r in rows if r["fault"] and r.get("manifested") is not False]
     clean = [r for r in rows if not r["fault"]]
     latencies = [r["latency"] for r in faulty if r.get("latency") is not None]
-    ratios = [r["train_s"] / (r["train_s"] - r["step_s"]) for r in rows
-              if r["train_s"] > 0 and r["train_s"] > r["step_s"] and passive.get(r["detector"], True)]
+    ratios = [(r["loop_s"] + r["step_s"]) / r["loop_s"] for r in rows
+              if r["loop_s"] > 0 and passive.get(r["detector"], True)]
     out = {
         "fault_cases": len(faulty),
         "not_shown_cases": sum(bool(r["fault"]) and r.get("manifested") is False for r in rows),
@@ -155,9 +163,9 @@ def aggregate(rows: list[dict], passive: dict[str, bool]) -> dict:
 
 def exclusive_overhead(rows: list[dict], detector: str, against: str = SUITE) -> float | None:
     """An exclusive detector changes the run itself (anomaly mode slows every op), so its overhead is its
-    case's train time over the paired case's (the rows of ``against``, same bench) train time without that
-    case's step hooks."""
-    base = {r["case"]: r["train_s"] - r["step_s"] for r in rows if r["detector"] == against and r["train_s"] > 0}
+    case's train time over the paired case's (the rows of ``against``, same bench) loop time (its train time
+    without any step hook)."""
+    base = {r["case"]: r["loop_s"] for r in rows if r["detector"] == against}
     ratios = [r["train_s"] / base[r["case"]] for r in rows
               if r["detector"] == detector and r["train_s"] > 0 and base.get(r["case"], 0) > 0 and not r["crash"]]
     return statistics.median(ratios) if ratios else None

@@ -98,7 +98,8 @@ def read_rows(results: Path, tool: Tool) -> list[dict]:
         return []
     timing_path = path.with_name("timings.csv")
     timings = {(t["case"], t["detector"]): t for t in (_csv_rows(timing_path) if timing_path.exists() else [])}
-    return [{"train_s": 0.0, "step_s": 0.0, "other_s": 0.0, **timings.get((r["case"], r["detector"]), {}), **r}
+    empty = {"train_s": 0.0, "loop_s": 0.0, "step_s": 0.0, "other_s": 0.0}
+    return [{**empty, **timings.get((r["case"], r["detector"]), {}), **r}
             for r in _csv_rows(path)  # the peers ran on the reference: its rows only
             if r["detector"] == tool.id and r.get("target") in (None, "", "ref")]
 

@@ -227,7 +227,7 @@ def test_a_rerun_rewrites_byte_identical_scores_and_a_bad_cache_entry_is_recompu
     faulty = next(r for r in rows[1:] if r.startswith("label_permute/") and ",suite," in r)
     assert ",forward_loss_contract,loss,model.train.forward_loss," in faulty  # who gave the top finding
     timings = (tiny_bench.out / "timings.csv").read_text().splitlines()
-    assert timings[0] == "case,detector,train_s,step_s,other_s" and len(timings) == len(rows)
+    assert timings[0] == "case,detector,train_s,loop_s,step_s,other_s" and len(timings) == len(rows)
     assert set(json.loads((tiny_bench.out / "timings.json").read_text())) == {"wall_s", "cached_cases", "detectors"}
 
     run_bench(tiny_bench)  # warm cache: the clock differs, the scores files must not

@@ -27,11 +27,12 @@ class StepRecord:
 
     loss: mean of the step's training-forward losses (or of ``Watch.observe``); when the model returned none,
     the loss the step's backwards differentiated (sum over micro-batches of weight x NLL implied by the logits'
-    gradient, detectors.blackbox.gradients), on every ``faultbench.watch.IMPLIED_LOSS_EVERY``-th step from the
-    first; None when neither was seen;
+    gradient, detectors.blackbox.gradients), on the watch's first ``faultbench.watch.IMPLIED_LOSS_DENSE`` steps
+    and every ``IMPLIED_LOSS_EVERY``-th after; None when neither was seen;
     lrs: the lr of each param group as the optimizer used it; grad_norm: L2 norm of the gradients the
     optimizer stepped with; backward_norm: L2 norm of the gradients as the last backward of the step left
-    them (before any clipping or unscaling; scaled), measured under an enabled scaler only, else None;
+    them (before any clipping or unscaling; scaled), measured under an enabled scaler only, else None; both
+    norms are measured on ``sampled`` steps only (``WatchContext.sampled_step``; None on the others);
     scale: the scaler's scale at the step (None without an enabled scaler); skipped: steps the scaler skipped
     since the previous record (its scale fell); micro_batches: training forwards since the previous step;
     batches: a hash of each training batch of the step (detectors.blackbox.batches: same tokens, same hash);
@@ -58,6 +59,7 @@ class StepRecord:
     groups: list[dict] | None = None
     evals: list[int] | None = None
     model: dict | None = None  # on the first record of each watch only: WatchContext.model_structure()
+    sampled: bool = True  # a step the sampled measurements (the gradient norms) and checks looked at
 
 
 class WatchContext:
@@ -187,8 +189,13 @@ class WatchContext:
     def sampled_step(self) -> bool:
         """Whether the step in progress is one the sampled checks look at: the first DENSE_STEPS steps of this watch,
         then every SAMPLE_EVERY-th."""
+        return self.sampled_every(self.SAMPLE_EVERY)
+
+    def sampled_every(self, every: int, dense: int | None = None) -> bool:
+        """Whether the step in progress is one of this watch's first ``dense`` (default DENSE_STEPS), or an
+        ``every``-th after."""
         local = self.step - self.start_step
-        return local < self.DENSE_STEPS or local % self.SAMPLE_EVERY == 0
+        return local < (self.DENSE_STEPS if dense is None else dense) or local % every == 0
 
     def all_gather(self, values) -> list[list[float]]:
         """Every rank's ``values`` (a few numbers, float64), gathered on the parameters' device: a collective, so
@@ -229,6 +236,7 @@ class BlackBoxDetector(Detector):
     Raise ``NotApplicable`` (detectors.api) from a hook when the loop breaks the detector's assumption: the
     watch says so once in its report and calls the detector no more.
 
+    ``retire(hook)``: the detector needs ``hook`` no more (a check made on the first few steps only).
     ``sampled``: the detector's on_forward/on_backward check a contract every step keeps alike (a bug breaks it on
     every step), so the watch fires them on sampled steps only (``WatchContext.sampled_step``): every step the tiny
     models of the bench take costs a few ms, and a check's fixed cost per call is what its overhead is made of.
@@ -236,9 +244,15 @@ class BlackBoxDetector(Detector):
 
     track: ClassVar[str] = "black-box"
     sampled: ClassVar[bool] = False
+    retired: frozenset[str] = frozenset()  # hooks this detector needs no more (``retire``)
 
     def check_applicable(self, ctx: Any) -> None:
         """Black-box detectors declare no run paths: a hook raises ``NotApplicable`` where an assumption fails."""
+
+    def retire(self, hook: str) -> None:
+        """This detector's checks on ``hook`` are done (it examined what it needed): the watch calls it there no
+        more, and hooks no logits' gradient once no detector takes ``on_backward``."""
+        self.retired = self.retired | {hook}
 
     def report(self, ctx: WatchContext, subsystem: str, where: str | None, message: str,
                evidence: dict | None = None, confidence: float = 0.7, step: int | None = None) -> None:

@@ -1,74 +1,72 @@
 """Fingerprints of token batches, for the black-box track: which rows and batches a loop trained and evaluated on,
 and where its special tokens sit, without keeping the batches.
 
-A row's fingerprint is a hash of its real tokens (where attention_mask is 1) counted from its first real token, so
-the same document padded on either side, or to another length, hashes the same; a batch's is a hash of its rows in
-order. Both are wrapping int64 sums. The batch is copied to the host once and read with NumPy: a few small-array
-ops per training forward, where the same ops as torch calls cost several times more (each pays the dispatcher, and
-the caches are cold after a forward and backward).
+A row's fingerprint is Python's hash of the tuple of its real tokens (where attention_mask is not 0), so the same
+document padded on either side, or to another length, hashes the same; a batch's is the hash of its rows' in order.
+Tuples of ints hash alike in every process (no hash randomization for ints), so ranks can compare them.
+
+The batch is read into Python lists once (one ``tolist`` per tensor) and everything else is plain Python on them: on
+a training forward's batch (caches cold after the previous step's forward and backward) each NumPy or torch call
+costs 5-40 us, and the dozen a vectorized fingerprint needs cost several times this whole pass.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from itertools import compress
+
 import torch
 
-_GEN = torch.Generator().manual_seed(0x5EED)
-_WEIGHTS = (torch.randint(1, 2**62, (4096,), generator=_GEN, dtype=torch.int64) | 1).numpy()  # odd: products mix
-_ROW_WEIGHTS = (torch.randint(1, 2**62, (4096,), generator=_GEN, dtype=torch.int64) | 1).numpy()
 
-
-def _weights(table: np.ndarray, n: int) -> np.ndarray:
-    if n <= table.size:
-        return table[:n]
-    reps = -(-n // table.size)
-    return (np.tile(table, reps)[:n] * np.arange(1, n + 1, dtype=np.int64)) | 1
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
-
-
-def _rows(ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray | None, bool]:
-    """(ids as (B, T) int64, the keep mask or None when every position is real, whether every row starts at 0)."""
+def _real_rows(ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[tuple[int, ...]], int]:
+    """(each row's real tokens as a tuple, the padded length). ``ids``: (B, T) or (T,); ``mask``: the attention
+    mask of the same shape (positions where it is 0 are padding) or None."""
+    rows = ids.tolist()
     if ids.dim() == 1:
-        ids = ids[None]
-    host = _host(ids).astype(np.int64, copy=False)
+        rows = [rows]
+    width = len(rows[0]) if rows else 0
     if mask is None or mask.shape != ids.shape:
-        return host, None, True
-    keep = _host(mask) != 0
-    return host, keep, bool(keep[:, 0].all()) if keep.shape[1] else True
+        return [tuple(r) for r in rows], width
+    keep = mask.tolist()
+    if ids.dim() == 1:
+        keep = [keep]
+    return [tuple(compress(r, k)) for r, k in zip(rows, keep, strict=True)], width
 
 
-def _row_hashes(ids: np.ndarray, keep: np.ndarray | None, aligned: bool) -> np.ndarray:
-    t = ids.shape[-1]
-    with np.errstate(over="ignore"):  # the hash wraps around, as intended
-        if keep is None:
-            return ((ids + 7) * _weights(_WEIGHTS, t)).sum(-1) ^ t
-        if aligned:  # no left padding: positions are the columns
-            weighted = (ids + 7) * _weights(_WEIGHTS, t)
-        else:
-            weighted = (ids + 7) * _weights(_WEIGHTS, t)[np.maximum(keep.cumsum(-1) - 1, 0)]
-        return (weighted * keep).sum(-1) ^ keep.sum(-1)
+def _layout(rows: list[tuple[int, ...]], width: int, special: dict[str, int]) -> dict[str, int]:
+    lengths = [len(r) for r in rows]
+    out = {"rows": len(rows), "len": width, "cells": len(rows) * width,
+           "idle": len(rows) * (width - max(lengths, default=width))}
+    if not special or width < 2:
+        return out
+    if "bos" in special:
+        bos = special["bos"]
+        out["bos"] = sum(r[:1] == (bos,) for r in rows)
+        out["bos2"] = sum(r[:2] == (bos, bos) for r in rows)
+    if "eos" in special:
+        eos = special["eos"]
+        ends = [r[-1:] == (eos,) for r in rows]
+        full = [n == width for n in lengths]
+        out["eos"], out["full"] = sum(ends), sum(full)
+        out["full_eos"] = sum(e and f for e, f in zip(ends, full, strict=True))
+    return out
 
 
 def row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """(B,) int64 hash of each row's real tokens, counted from its first real token (padding side and length do
-    not matter). ``ids``: (B, T) or (T,) integer tensor; ``mask``: attention mask of the same shape or None."""
-    return torch.from_numpy(_row_hashes(*_rows(ids, mask)))
+    """(B,) int64 hash of each row's real tokens (padding side and length do not matter). ``ids``: (B, T) or (T,)
+    integer tensor; ``mask``: attention mask of the same shape or None."""
+    return torch.tensor([hash(r) for r in _real_rows(ids, mask)[0]], dtype=torch.int64)
 
 
 def batch_hash(rows) -> int:
-    """One int for a batch from its row hashes (order matters): a tensor or array of them."""
-    rows = np.asarray(rows, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        return int((rows * _weights(_ROW_WEIGHTS, rows.size)).sum())
+    """One int for a batch from its row hashes (order matters): a list, tensor or array of them."""
+    return hash(tuple(int(h) for h in rows))
 
 
-def fingerprint(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]) -> tuple[list[int], dict]:
-    """A training batch read once: its rows' hashes and its ``layout`` counts."""
-    rows = _rows(ids, mask)
-    return _row_hashes(*rows).tolist(), _layout(*rows, special)
+def fingerprint(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int] | None
+                ) -> tuple[list[int], dict | None]:
+    """A training batch read once: its rows' hashes and, unless ``special`` is None, its ``layout`` counts."""
+    rows, width = _real_rows(ids, mask)
+    return [hash(r) for r in rows], None if special is None else _layout(rows, width, special)
 
 
 def special_ids(tokenizer) -> dict[str, int]:
@@ -102,31 +100,5 @@ def layout(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]
     """Counts over a batch's rows: "rows", "len" (the padded length), "cells" (rows x length) and "idle" (the cells
     of columns past the batch's longest row: padding no row needs); with the tokenizer's BOS/EOS ids, "bos" (first
     real token is BOS), "bos2" (first two are BOS), "eos" (last real token is EOS), "full" (rows as long as the
-    batch: its longest, and any cut at the length limit) and "full_eos" (of them, those ending with EOS). A few
-    tensor ops on the mask's row sums and the rows' first, second and last tokens, one transfer."""
-    return _layout(*_rows(ids, mask), special)
-
-
-def _layout(ids: np.ndarray, keep: np.ndarray | None, aligned: bool, special: dict[str, int]) -> dict[str, int]:
-    b, t = ids.shape
-    lengths = keep.sum(-1) if keep is not None else np.full(b, t)
-    longest = int(lengths.max()) if b else t
-    out = {"rows": b, "len": t, "cells": b * t, "idle": b * (t - longest)}
-    if not special or t < 2:
-        return out
-    if keep is None:
-        picked = ids[:, [0, 1, t - 1]]
-    elif aligned:  # no left padding: the last real token sits at length - 1
-        picked = np.concatenate([ids[:, :2], np.take_along_axis(ids, np.maximum(lengths - 1, 0)[:, None], 1)], 1)
-    else:
-        first = keep.argmax(-1)
-        last = t - 1 - keep[:, ::-1].argmax(-1)
-        picked = np.take_along_axis(ids, np.stack([first, np.minimum(first + 1, t - 1), last], 1), 1)
-    hits = picked == np.array([special.get("bos", -1), special.get("bos", -1), special.get("eos", -1)])
-    full = lengths == t
-    if "bos" in special:
-        out["bos"], out["bos2"] = int(hits[:, 0].sum()), int((hits[:, 0] & hits[:, 1]).sum())
-    if "eos" in special:
-        out["eos"], out["full"] = int(hits[:, 2].sum()), int(full.sum())
-        out["full_eos"] = int((full & hits[:, 2]).sum())
-    return out
+    batch: its longest, and any cut at the length limit) and "full_eos" (of them, those ending with EOS)."""
+    return _layout(*_real_rows(ids, mask), special)

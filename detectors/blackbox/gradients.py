@@ -44,9 +44,10 @@ SATURATED = 1e-4  # 1 - p(label) below this: the weight is not measurable (the l
 class Implied:
     """Per position (B, T) of one micro-batch: ``labelled`` (the gradient has a negative entry: the position is
     a target), ``y`` (that entry: the label), ``w`` (the weight; NaN where saturated, 0 where unweighted),
-    ``nll`` (-log p(y)); ``loss``: sum(w * nll), this micro-batch's share of the loss the backward
-    differentiated; ``residual``: the gradient's distance from w * (softmax - onehot) on a sample of positions
-    (relative; ~1e-6 in fp32, ~1e-2 from bf16 gradients; large for a loss that is not a softmax cross-entropy)."""
+    ``nll`` (-log p(y)); ``y`` and ``nll`` mean something at labelled positions only; ``loss``: sum(w * nll), this
+    micro-batch's share of the loss the backward differentiated; ``residual``: the gradient's distance from
+    w * (softmax - onehot) on a sample of positions (relative; ~1e-6 in fp32, ~1e-2 from bf16 gradients; large for
+    a loss that is not a softmax cross-entropy), when ``shape_checked`` (else None: not measured)."""
 
     labelled: torch.Tensor
     y: torch.Tensor
@@ -54,80 +55,120 @@ class Implied:
     nll: torch.Tensor
     loss: float
     residual: float | None
+    shape_checked: bool = True
 
-    @property
-    def weight_sum(self) -> float:
-        """Sum of the measurable weights; each saturated labelled position counts with the median weight."""
+    def weights(self) -> tuple[torch.Tensor, float, float]:
+        """(the measurable labelled positions' weights, their median, the sum of every labelled position's weight:
+        each saturated one counted with the median); (empty, 0, 0) when none is measurable."""
         known = self.w[self.labelled & ~self.w.isnan()]
         if known.numel() == 0:
-            return 0.0
-        unknown = int((self.labelled & self.w.isnan()).sum())
-        return float(known.sum()) + unknown * float(known.median())
+            return known, 0.0, 0.0
+        median = float(known.median())
+        return known, median, float(known.sum()) + (int(self.labelled.sum()) - known.numel()) * median
 
 
 # the last analysed gradient, weakly held (the watch and the detectors of one backward share it)
 _cache: tuple[weakref.ref, Implied] | None = None
 
 
-def _core(z: torch.Tensor, g: torch.Tensor):
+def _labels(g: torch.Tensor, g_y: torch.Tensor, guess: torch.Tensor | None) -> torch.Tensor:
+    """The index of each position's minimum gradient entry (its label). ``guess``: (B, T) candidate labels,
+    checked first: where the gradient's minimum sits at the candidate, that is the label (a cross-entropy gradient
+    has one negative entry); only the other positions are searched (a full argmin costs ~10x one gather)."""
+    if guess is None or guess.shape != g_y.shape:
+        return g.argmin(-1)
+    guess = guess.to(g.device).clamp(0, g.shape[-1] - 1)
+    miss = g.gather(-1, guess.unsqueeze(-1)).squeeze(-1) != g_y
+    if not bool(miss.any()):
+        return guess
+    y = guess.clone()
+    y[miss] = g[miss].argmin(-1)
+    return y
+
+
+def _core(z: torch.Tensor, g: torch.Tensor, guess: torch.Tensor | None = None):
     """(g_y, y, labelled, nll, 1 - p(y)) per position of float logits ``z`` and their gradient ``g``."""
-    g_y, y = g.min(-1)
-    nll = (torch.logsumexp(z, -1) - z.gather(-1, y.unsqueeze(-1)).squeeze(-1)).clamp(min=0)
+    g_y = g.amin(-1)
+    y = _labels(g, g_y, guess)
+    nll = (-torch.log_softmax(z, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)).clamp(min=0)
     return g_y, y, g_y < 0, nll, -torch.expm1(-nll)
 
 
-def _loss(g_y: torch.Tensor, labelled: torch.Tensor, nll: torch.Tensor, q: torch.Tensor) -> float:
-    """sum(w * nll) = sum(-g_y * nll / q), stable where p(y) -> 1 (nll / q -> 1)."""
-    ratio = torch.where(q > 1e-12, nll / q.clamp(min=1e-12), torch.ones_like(q))
-    return float((-g_y * ratio * labelled).sum())
+def next_tokens(batch: dict, logits: torch.Tensor) -> torch.Tensor | None:
+    """(B, T) each position's next input token (the last column wraps around): the labels a causal LM's loss
+    usually has, the candidates ``implied`` checks first; None when the batch's ids do not match the logits."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or tuple(ids.shape) != tuple(logits.shape[:2]):
+        return None
+    return ids.roll(-1, 1)
+
+
+def _loss(g_y: torch.Tensor, nll: torch.Tensor, q: torch.Tensor) -> float:
+    """sum(w * nll) = sum(-g_y * nll / q) over the labelled positions (g_y < 0): nll / q -> 1 where p(y) -> 1, and
+    0 / 0 only where p(y) is exactly 1."""
+    return -float((g_y.clamp(max=0) * torch.nan_to_num(nll / q, nan=1.0)).sum())
 
 
 def _shaped(logits: torch.Tensor, grad: torch.Tensor) -> bool:
     return logits.dim() == 3 and grad.shape == logits.shape and logits.is_floating_point()
 
 
-def implied(logits: torch.Tensor, grad: torch.Tensor) -> Implied | None:
+def implied(logits: torch.Tensor, grad: torch.Tensor, batch: dict | None = None,
+            check_shape: bool = True) -> Implied | None:
     """The labels, weights and loss implied by ``grad`` = d loss / d ``logits`` (B, T, V), or None for other
-    shapes. Cost: one min and one logsumexp over the logits (cached for the same ``grad`` object)."""
+    shapes. ``batch``: the forward's, whose next tokens are checked first as labels (a shortcut that changes no
+    result); ``check_shape``: measure the residual too. Cost: one min and one log-softmax over the logits (cached
+    for the same ``grad`` object)."""
     global _cache
     if _cache is not None and _cache[0]() is grad:
-        return _cache[1]
+        result = _cache[1]
+        if check_shape and not result.shape_checked:
+            with torch.no_grad():
+                measurable = result.labelled & ~result.w.isnan()
+                result.residual = _residual(logits.detach().float(), grad.detach().float(), result.y, result.w,
+                                            measurable)
+            result.shape_checked = True
+        return result
     if not _shaped(logits, grad):
         return None
     with torch.no_grad():
         z, g = logits.detach().float(), grad.detach().float()
-        g_y, y, labelled, nll, q = _core(z, g)
+        g_y, y, labelled, nll, q = _core(z, g, next_tokens(batch or {}, z))
         measurable = labelled & (q > SATURATED)
-        w = torch.where(measurable, -g_y / q.clamp(min=SATURATED), torch.zeros_like(q))
-        w = torch.where(labelled & ~measurable, torch.full_like(w, math.nan), w)
-        result = Implied(labelled, y, w, nll, _loss(g_y, labelled, nll, q), _residual(z, g, y, w, measurable))
+        w = (-g_y / q.clamp(min=SATURATED)).masked_fill_(~measurable, 0.0)
+        w.masked_fill_(labelled & ~measurable, math.nan)
+        residual = _residual(z, g, y, w, measurable) if check_shape else None
+        result = Implied(labelled, y, w, nll, _loss(g_y, nll, q), residual, check_shape)
     _cache = (weakref.ref(grad), result)
     return result
 
 
-def implied_loss(logits: torch.Tensor, grad: torch.Tensor) -> float | None:
-    """``implied(logits, grad).loss`` alone: the analysis of the same backward when a detector made it, else only
-    the loss's terms (no weights, no residual: about half the cost)."""
+def implied_loss(logits: torch.Tensor, grad: torch.Tensor, batch: dict | None = None) -> float | None:
+    """``implied(logits, grad, batch).loss`` alone: the analysis of the same backward when a detector made it, else
+    only the loss's terms (no weights, no residual: about half the cost)."""
     if _cache is not None and _cache[0]() is grad:
         return _cache[1].loss
     if not _shaped(logits, grad):
         return None
     with torch.no_grad():
-        g_y, _, labelled, nll, q = _core(logits.detach().float(), grad.detach().float())
-        return _loss(g_y, labelled, nll, q)
+        z = logits.detach().float()
+        g_y, _, _, nll, q = _core(z, grad.detach().float(), next_tokens(batch or {}, z))
+        return _loss(g_y, nll, q)
 
 
 def _residual(z, g, y, w, measurable, sample: int = 32) -> float | None:
-    """Relative distance of the gradient from w * (softmax - onehot(y)) over up to ``sample`` positions."""
-    idx = measurable.flatten().nonzero().squeeze(-1)
+    """Relative distance of the gradient from w * (softmax - onehot(y)) over up to ``sample`` positions, evenly
+    spread over the measurable ones."""
+    idx = measurable.reshape(-1).nonzero()[:, 0]
     if idx.numel() == 0:
         return None
-    idx = idx[torch.linspace(0, idx.numel() - 1, min(sample, idx.numel())).long()]
-    zf, gf = z.reshape(-1, z.shape[-1])[idx], g.reshape(-1, g.shape[-1])[idx]
-    expected = torch.softmax(zf, -1)
-    expected[torch.arange(idx.numel()), y.flatten()[idx]] -= 1
-    expected *= w.flatten()[idx].unsqueeze(-1)
-    return float((gf - expected).abs().sum() / gf.abs().sum().clamp(min=1e-30))
+    idx = idx[:: -(-idx.numel() // sample)]
+    vocab = z.shape[-1]
+    gf = g.reshape(-1, vocab)[idx]
+    expected = torch.softmax(z.reshape(-1, vocab)[idx], -1)
+    expected.scatter_add_(1, y.reshape(-1)[idx, None], torch.full((idx.numel(), 1), -1.0, device=z.device))
+    expected *= w.reshape(-1)[idx, None]
+    return float(torch.dist(gf, expected, 1) / gf.norm(1).clamp(min=1e-30))
 
 
 class _GradientDetector(BlackBoxDetector):
@@ -136,17 +177,21 @@ class _GradientDetector(BlackBoxDetector):
 
     MAX_RESIDUAL = 0.03  # fp32: ~1e-6, bf16/fp16 gradients: ~1e-2 at most; label smoothing 0.2: ~0.08
     CHECKS = 2  # backwards whose gradient must not have the cross-entropy shape before giving up
+    SHAPE_CONFIRM = 2  # backwards with the cross-entropy shape after which the loss is taken to be one
 
     def __init__(self) -> None:
         super().__init__()
         self._off_shape = 0
+        self._on_shape = 0
 
-    def implied_of(self, logits, grad) -> Implied | None:
+    def implied_of(self, batch: dict, logits, grad) -> Implied | None:
         if logits is None or grad is None:
             return None
-        result = implied(logits, grad)
+        result = implied(logits, grad, batch, check_shape=self._on_shape < self.SHAPE_CONFIRM)
         if result is None:
             raise NotApplicable("the model's output is not per-position logits (batch, positions, vocabulary)")
+        if result.residual is not None and result.residual <= self.MAX_RESIDUAL:
+            self._on_shape += 1
         if result.residual is not None and result.residual > self.MAX_RESIDUAL:
             self._off_shape += 1
             if self._off_shape >= self.CHECKS:
@@ -242,9 +287,12 @@ class ImpliedLabels(_GradientDetector):
         self.verdicts: list[tuple[str, dict]] = []
 
     def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
+        self._examine(ctx, batch, logits, grad_logits)
         if self.examined >= self.CHECKS or self.findings:
-            return
-        result = self.implied_of(logits, grad_logits)
+            self.retire("on_backward")
+
+    def _examine(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
+        result = self.implied_of(batch, logits, grad_logits)
         tokens = None if result is None else _tokens(batch, result)
         if tokens is None:
             return
@@ -356,9 +404,12 @@ class LossPadding(_GradientDetector):
         self.hits: dict[str, list[dict]] = {"on_pads": [], "pad_id_ignored": []}
 
     def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
+        self._examine(ctx, batch, logits, grad_logits)
         if self.examined >= self.CHECKS:
-            return
-        result = self.implied_of(logits, grad_logits)
+            self.retire("on_backward")
+
+    def _examine(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
+        result = self.implied_of(batch, logits, grad_logits)
         tokens = None if result is None else _tokens(batch, result)
         if tokens is None or tokens[1] is None:
             return
@@ -526,7 +577,7 @@ class LossNormalization(_GradientDetector):
         if self._sync is not None:
             self._sync.queue()
         try:
-            result = self.implied_of(logits, grad_logits)
+            result = self.implied_of(batch, logits, grad_logits)
         except NotApplicable as e:
             if ctx.world_size == 1:
                 raise
@@ -537,16 +588,21 @@ class LossNormalization(_GradientDetector):
         if result is None or (rate is not None and rate < ImpliedLabels.ALIGNED):
             self._micro.append({"unknown": True})  # misaligned labels are bb_implied_labels' finding
             return
-        known = result.w[result.labelled & ~result.w.isnan()]
-        entry = {"sum": result.weight_sum, "targets": int(result.labelled.sum()),
+        known, med, weight_sum = result.weights()
+        entry = {"sum": weight_sum, "targets": int(result.labelled.sum()),
                  "scale": float(ctx.scaler.get_scale()) if ctx.scaler_enabled else None}
         if known.numel() >= MIN_POSITIONS:
-            med = float(known.median())
             entry["median"] = med
             entry["uniform"] = bool(med > 0 and float((known - med).abs().max()) <= self.UNIFORM_TOL * med)
         self._micro.append(entry)
 
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        self._step(ctx, record)
+        if self._done(ctx):  # on every rank at the same step
+            for hook in ("on_forward", "on_backward", "on_after_step"):
+                self.retire(hook)
+
+    def _step(self, ctx: WatchContext, record: StepRecord) -> None:
         micro, self._micro = self._micro, []
         skipped, self._skips_seen = ctx.skipped_steps != self._skips_seen, ctx.skipped_steps
         if self._done(ctx):
@@ -701,9 +757,13 @@ class ReportedGradNorm(BlackBoxDetector):
         self._measured = norm / float(ctx.scaler.get_scale()) if ctx.scaler_enabled else norm
 
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        self._bound(ctx)
+        if ctx.step - ctx.start_step >= self.CHECK_STEPS:  # every step to measure was: on every rank alike
+            self.retire("on_backward")
+            self.retire("on_after_step")
+
+    def _bound(self, ctx: WatchContext) -> None:
         measured, self._measured = (math.nan if self._measured is None else self._measured), None
-        if ctx.step - ctx.start_step > self.CHECK_STEPS:  # the step just taken was not measured
-            return
         if ctx.world_size > 1:  # a collective: every rank takes part at the same steps
             measured = max(row[0] for row in ctx.all_gather([measured]))
         self._bounds[ctx.step] = measured

@@ -229,9 +229,13 @@ class GradientsPresent(BlackBoxDetector):
     def __init__(self) -> None:
         super().__init__()
         self._missing_since: dict[int, int] = {}
+        self._params: list[torch.Tensor] = []
+
+    def on_start(self, ctx: WatchContext) -> None:
+        self._params = [p for p in ctx.optimizer_params() if p.requires_grad]  # the groups as the watch began
 
     def on_before_step(self, ctx: WatchContext) -> None:
-        params = [p for p in ctx.optimizer_params() if p.requires_grad]
+        params = self._params
         absent = [p for p in params if p.grad is None]
         if len(absent) == len(params):
             return  # no gradient at all: nothing to compare with (a loop stepping before its first backward)
@@ -390,7 +394,18 @@ class PadIds(BlackBoxDetector):
             return
         pad, hidden = _pad_id(ctx.tokenizer), mask == 0
         is_pad = ids == pad
-        # elementwise tests and one reduction each (no boolean indexing): every forward pays for them
+        # elementwise tests and one reduction each (no boolean indexing): every sampled forward pays for them; where
+        # the pads are exactly the masked positions (the usual case) one test says so
+        if bool((is_pad != hidden).any()):
+            self._mismatch(ctx, pad, hidden, is_pad)
+        trained_pad = int((hidden & (labels != IGNORE_INDEX)).sum()) \
+            if labels is not None and labels.shape == mask.shape else 0
+        if trained_pad:
+            self.report_once("trained_pad", ctx, "collate", "batch",
+                             f"{trained_pad} labels at padded positions are not {IGNORE_INDEX}: the loss is taken on "
+                             "padding", {"positions": trained_pad}, confidence=0.8)
+
+    def _mismatch(self, ctx: WatchContext, pad: int, hidden: torch.Tensor, is_pad: torch.Tensor) -> None:
         masked_real = int((hidden & ~is_pad).sum())
         if masked_real:
             self.report_once("masked_real", ctx, "collate", "batch",
@@ -402,12 +417,6 @@ class PadIds(BlackBoxDetector):
             self.report_once("attended_pad", ctx, "collate", "batch",
                              f"attention_mask is 1 on {attended_pad} pad tokens: the model attends to padding",
                              {"positions": attended_pad}, confidence=0.8)
-        trained_pad = int((hidden & (labels != IGNORE_INDEX)).sum()) \
-            if labels is not None and labels.shape == mask.shape else 0
-        if trained_pad:
-            self.report_once("trained_pad", ctx, "collate", "batch",
-                             f"{trained_pad} labels at padded positions are not {IGNORE_INDEX}: the loss is taken on "
-                             "padding", {"positions": trained_pad}, confidence=0.8)
 
     def on_eval_forward(self, ctx: WatchContext, batch: dict, logits) -> None:
         """An evaluation or generation batch (batched generation pads on the left) keeps the same contract between

@@ -114,10 +114,10 @@ class GoldenLR(BlackBoxDetector):
 
 @register
 class GoldenGradNorm(BlackBoxDetector):
-    """The gradients the optimizer steps with: none at all (or all zero) on ``MIN_STEPS`` steps in a row although
-    a backward ran each time (they were cleared between the backward and the step); and, against the known-good
-    runs, a norm above ``HIGH`` x their largest at the same steps on ``MIN_STEPS`` steps in a row (their clipping
-    or scaling does not act)."""
+    """The gradients the optimizer steps with (their norm, on the watch's sampled steps): none at all (or all zero)
+    on ``MIN_STEPS`` sampled steps in a row although a backward ran each time (they were cleared between the
+    backward and the step); and, against the known-good runs, a norm above ``HIGH`` x their largest at the same
+    steps on ``MIN_STEPS`` sampled steps in a row (their clipping or scaling does not act)."""
 
     id = "bb_golden_grad_norm"
     family = "optimizer"
@@ -135,6 +135,8 @@ class GoldenGradNorm(BlackBoxDetector):
         self._backward = ctx.backward_seen
 
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        if not record.sampled:  # its norm was not measured: "in a row" counts the sampled steps
+            return
         if not record.grad_norm and self._backward:
             self._empty.append(record.step)
         else:

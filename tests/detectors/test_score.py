@@ -2,7 +2,7 @@
 
 import pytest
 
-from faultbench.harness.score import aggregate, case_rows, score_findings
+from faultbench.harness.score import BLACKBOX, aggregate, case_rows, score_findings
 
 FAULT = {"subsystem": "collate", "also_acceptable": ["mask"], "seams": ["model.data.collate"], "trigger": "always"}
 
@@ -47,7 +47,7 @@ def test_latency_counts_from_the_checkpoint_step_for_on_resume_faults():
 
 
 def test_aggregate_separates_clean_and_faulty_cases_and_measures_overhead():
-    timing = {"detector": "d", "train_s": 1.0, "step_s": 0.02, "other_s": 0.0}
+    timing = {"detector": "d", "train_s": 1.0, "loop_s": 0.98, "step_s": 0.02, "other_s": 0.0}
     perfect = {f"{m}_{level}": v for level in ("subsystem", "seam")
                for m, v in (("top1", True), ("top3", True), ("rr", 1.0))}
     rows = [
@@ -62,11 +62,26 @@ def test_aggregate_separates_clean_and_faulty_cases_and_measures_overhead():
     assert s["errors"] == 1
 
 
+def test_the_overhead_is_over_the_loop_alone_not_over_a_train_time_that_holds_other_hooks():
+    """A probing detector's and the other track's seconds inside the steps are not the loop's time: counted in the
+    base, they would flatter the passive detectors' ratio."""
+    record = {"case": {"faults": [], "recipe": "fp32", "seed": 0, "detectors": ["w", "b", "probe"]},
+              "name": "clean/fp32/s0", "findings": [], "crash": None, "train_s": 1.3, "detector_errors": {},
+              "step_seconds": {"w": 0.05, "b": 0.05, "probe": 0.1, "watch": 0.1}, "other_seconds": {}}
+    rows = {r["detector"]: r for r in case_rows(record, {}, suite_ids=["w"], blackbox_ids=["b", "probe"],
+                                                 passive=lambda d: d != "probe")}
+    assert rows["b"]["loop_s"] == pytest.approx(1.0)  # 1.3 s less every in-step hook of both tracks
+    assert rows[BLACKBOX]["step_s"] == pytest.approx(0.15)  # the passive member and the watch, not the probe
+    scores = aggregate([rows[BLACKBOX]], {})
+    assert scores["overhead_ratio"] == pytest.approx(1.15)  # not 1.3 / (1.3 - 0.15)
+    assert aggregate([rows["w"]], {})["overhead_ratio"] == pytest.approx(1.05)
+
+
 def test_an_exclusive_detector_is_charged_its_whole_slowdown_against_the_paired_suite_case():
     from faultbench.harness.score import SUITE, exclusive_overhead
 
-    rows = [{"case": "c", "detector": SUITE, "train_s": 1.1, "step_s": 0.1, "crash": ""},
-            {"case": "c", "detector": "anomaly", "train_s": 3.0, "step_s": 0.0, "crash": ""}]
+    rows = [{"case": "c", "detector": SUITE, "train_s": 1.1, "loop_s": 1.0, "step_s": 0.1, "crash": ""},
+            {"case": "c", "detector": "anomaly", "train_s": 3.0, "loop_s": 3.0, "step_s": 0.0, "crash": ""}]
     assert exclusive_overhead(rows, "anomaly") == pytest.approx(3.0)
 
 
@@ -93,7 +108,8 @@ def test_scores_count_only_cases_where_the_fault_showed_and_report_the_others_be
                                                                                  ("rr", 1.0))}
     missed = {f"{m}_{level}": v for level in ("subsystem", "seam") for m, v in (("top1", False), ("top3", False),
                                                                                 ("rr", 0.0))}
-    base = {"detector": SUITE, "fault": "f", "train_s": 1.0, "step_s": 0.0, "other_s": 0.0, "error": "", "crash": ""}
+    base = {"detector": SUITE, "fault": "f", "train_s": 1.0, "loop_s": 1.0, "step_s": 0.0, "other_s": 0.0, "error": "",
+            "crash": ""}
     rows = [{**base, "recipe": "fp32", "manifested": True, "detected": True, "latency": 0, **perfect},
             {**base, "recipe": "resume", "manifested": False, "detected": False, "latency": None, **missed},
             {**base, "recipe": "fp32", "manifested": None, "detected": False, "latency": None, **missed}]

@@ -11,8 +11,8 @@ def _row(detector, fault, seed, detected, sub=False, seam=False, latency=None, t
     return {"case": case, "fault": fault, "recipe": "fp32", "seed": seed, "detector": detector, "detected": detected,
             "findings": int(detected), "first_step": latency, "latency": latency, "top1_subsystem": sub,
             "top3_subsystem": sub, "rr_subsystem": float(sub), "top1_seam": seam, "top3_seam": seam,
-            "rr_seam": float(seam), "crash": "", "hang": False, "train_s": train_s, "step_s": step_s, "other_s": 0.0,
-            "error": error}
+            "rr_seam": float(seam), "crash": "", "hang": False, "train_s": train_s, "loop_s": train_s - step_s,
+            "step_s": step_s, "other_s": 0.0, "error": error}
 
 
 def test_a_peer_that_finds_what_the_suite_misses_is_credited(tmp_path):

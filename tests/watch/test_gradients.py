@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import faultbench
 from faultbench.detectors.blackbox.gradients import _GradientDetector, implied
-from faultbench.watch import IMPLIED_LOSS_EVERY
+from faultbench.watch import IMPLIED_LOSS_DENSE, IMPLIED_LOSS_EVERY
 from tests.watch.nanogpt import TrainConfig, train
 
 torch.set_num_threads(1)
@@ -43,7 +43,7 @@ def test_implied_labels_weights_and_loss_of_a_cross_entropy_are_exact():
     assert torch.equal(result.y[keep], labels[keep])
     assert torch.allclose(result.w[keep], torch.full((int(keep.sum()),), 0.5 / int(keep.sum())))
     assert bool((result.w[~keep] == 0).all())
-    assert result.weight_sum == pytest.approx(0.5, rel=1e-5)
+    assert result.weights()[2] == pytest.approx(0.5, rel=1e-5)
     assert result.loss == pytest.approx(float(loss.detach()), rel=1e-5)
     assert result.residual < 1e-4
 
@@ -166,16 +166,18 @@ def toy_loop(steps=4, accum=2, side="right", bug=None, seed=0, scaler=False, det
 def test_silent_on_a_correct_padded_loop_and_the_step_loss_is_the_implied_one(side, scaler):
     w = toy_loop(steps=IMPLIED_LOSS_EVERY + 1, side=side, scaler=scaler)
     assert w.findings == [] and w.errors == {} and w.not_applicable == {}, w.report()
-    # the model returns no loss: every IMPLIED_LOSS_EVERY-th StepRecord carries the loss its backwards differentiated
+    # the model returns no loss: the sampled StepRecords carry the loss its backwards differentiated
     _assert_sampled(w)
 
 
 def _assert_sampled(w) -> None:
-    """The StepRecords' losses: the loop's own at every IMPLIED_LOSS_EVERY-th step from the first, None between."""
+    """The StepRecords' losses: the loop's own at the watch's first IMPLIED_LOSS_DENSE steps and every
+    IMPLIED_LOSS_EVERY-th after, None between."""
     losses = [r.loss for r in w.ctx.history]
-    assert len(losses) == len(w.loop_losses) > IMPLIED_LOSS_EVERY
+    assert len(losses) == len(w.loop_losses) > IMPLIED_LOSS_EVERY > IMPLIED_LOSS_DENSE
     for i, (seen, loop) in enumerate(zip(losses, w.loop_losses, strict=True)):
-        assert seen == (pytest.approx(loop, rel=1e-4) if i % IMPLIED_LOSS_EVERY == 0 else None), (i, losses)
+        sampled = i < IMPLIED_LOSS_DENSE or i % IMPLIED_LOSS_EVERY == 0
+        assert seen == (pytest.approx(loop, rel=1e-4) if sampled else None), (i, losses)
 
 
 def test_the_implied_loss_fills_the_step_record_with_no_detector():

@@ -75,8 +75,11 @@ def test_the_records_are_what_the_loop_did():
     assert [r.loss for r in history] == pytest.approx(result["losses"], rel=1e-5)
     assert {r.micro_batches for r in history} == {cfg.gradient_accumulation_steps}
     assert {r.scale for r in history} == {result["scaler"].get_scale()} and not any(r.skipped for r in history)
+    # the norms are measured on the sampled steps: the first 4, then every 4th
+    assert [r.sampled for r in history] == [True] * 5 + [False] * 3
+    assert all(r.grad_norm is None and r.backward_norm is None for r in history if not r.sampled)
     # clipping after unscale: the optimizer's norm is min(true norm, max_norm)
-    for r in history:
+    for r in history[:5]:
         assert r.grad_norm == pytest.approx(min(r.backward_norm / r.scale, cfg.grad_clip), rel=1e-3)
 
 
