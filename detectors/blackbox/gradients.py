@@ -279,7 +279,7 @@ class ImpliedLabels(_GradientDetector):
     ALIGNED = 0.9  # labelled positions whose label is the next token: at or above, the micro-batch is aligned
     MISALIGNED = 0.5  # below: the micro-batch's labels are not the next tokens
     CONFIRM = 2  # micro-batches in which the same explanation must hold
-    CHECKS = 4  # micro-batches examined at most (the labels a loop builds do not change with training)
+    CHECKS = 3  # micro-batches examined at most (the labels a loop builds do not change with training)
 
     def __init__(self) -> None:
         super().__init__()
@@ -396,7 +396,7 @@ class LossPadding(_GradientDetector):
     description = "loss weights on padded targets, real targets ignored because their id is the pad id (pad == EOS)"
     MIN_SHARE = 0.02  # of the weighted targets: fewer on padding is left alone
     CONFIRM = 2
-    CHECKS = 4
+    CHECKS = 3  # aligned micro-batches examined at most
 
     def __init__(self) -> None:
         super().__init__()

@@ -387,16 +387,18 @@ class PadIds(BlackBoxDetector):
     def on_start(self, ctx: WatchContext) -> None:
         if ctx.tokenizer is None or _pad_id(ctx.tokenizer) is None:
             raise NotApplicable("no tokenizer with a pad id was given")
+        self._pad = _pad_id(ctx.tokenizer)
+        self._special = _pad_is_special(ctx.tokenizer, self._pad)  # then a pad id may be attended (as EOS, ...)
 
     def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
         mask, ids, labels = batch.get("attention_mask"), batch.get("input_ids"), batch.get("labels")
         if mask is None or ids is None or mask.shape != ids.shape:
             return
-        pad, hidden = _pad_id(ctx.tokenizer), mask == 0
+        pad, hidden = self._pad, mask == 0
         is_pad = ids == pad
         # elementwise tests and one reduction each (no boolean indexing): every sampled forward pays for them; where
-        # the pads are exactly the masked positions (the usual case) one test says so
-        if bool((is_pad != hidden).any()):
+        # the padding keeps the contract (the usual case) one test says so
+        if bool(((hidden & ~is_pad) if self._special else (is_pad != hidden)).any()):
             self._mismatch(ctx, pad, hidden, is_pad)
         trained_pad = int((hidden & (labels != IGNORE_INDEX)).sum()) \
             if labels is not None and labels.shape == mask.shape else 0
@@ -412,7 +414,7 @@ class PadIds(BlackBoxDetector):
                              f"attention_mask is 0 on {masked_real} positions holding real tokens "
                              f"(not the pad id {pad}): the mask and the padding disagree (pads on another side?)",
                              {"positions": masked_real}, confidence=0.8)
-        attended_pad = 0 if _pad_is_special(ctx.tokenizer, pad) else int((is_pad & ~hidden).sum())
+        attended_pad = 0 if self._special else int((is_pad & ~hidden).sum())
         if attended_pad:
             self.report_once("attended_pad", ctx, "collate", "batch",
                              f"attention_mask is 1 on {attended_pad} pad tokens: the model attends to padding",

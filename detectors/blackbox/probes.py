@@ -642,6 +642,18 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
     return float(losses), int(keep.sum())
 
 
+def _token_nlls(logits: torch.Tensor, *targets: torch.Tensor) -> list[tuple[float, int]]:
+    """``token_nll`` of the same logits (B, T, V) against each of ``targets`` (B, T): one float32 log-softmax for
+    all (each token's NLL is exact to ~1e-7 relative), summed in float64."""
+    logp = torch.log_softmax(logits.detach().float(), -1)
+    out = []
+    for t in targets:
+        keep = t >= 0
+        nll = -logp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        out.append((float(nll[keep].double().sum()), int(keep.sum())))
+    return out
+
+
 def _explains(loss: float, total: float, count: int, tol: float) -> bool:
     """The loop's ``loss`` is this NLL up to its usual normalizations: the mean divided by an integer
     accumulation factor (1..64), or the sum divided by an integer token count (a count over the whole
@@ -669,12 +681,12 @@ def label_alignment(batch: dict, logits: torch.Tensor, loss: torch.Tensor | floa
     if labels.shape != ids.shape or logits.shape[:2] != ids.shape:
         return None
     loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-    logits = logits.detach()
     mask = labels != IGNORE
     if torch.equal(labels[mask], ids[mask]):  # aligned with the inputs: the next token is one further
-        right, wrong = token_nll(logits[:, :-1], labels[:, 1:]), token_nll(logits, labels)
+        ignored = torch.full_like(labels[:, :1], IGNORE)
+        right, wrong = _token_nlls(logits, torch.cat([labels[:, 1:], ignored], 1), labels)
     else:  # the loop shifted already: position i's target is labels[i]; its own token is ids[i]
-        right, wrong = token_nll(logits, labels), token_nll(logits, torch.where(mask, ids, IGNORE))
+        right, wrong = _token_nlls(logits, labels, torch.where(mask, ids, IGNORE))
     if abs(right[0] / max(right[1], 1) - wrong[0] / max(wrong[1], 1)) <= 10 * tol * abs(right[0] / max(right[1], 1)):
         return None  # the two readings are too close to tell apart on this batch
     if _explains(loss, *right, tol) or not _explains(loss, *wrong, tol):
@@ -844,7 +856,7 @@ class BlackBoxLabelAlignment(BlackBoxDetector):
     id = "bb_label_alignment"
     family = "loss"
     description = "the loop's loss vs the next-token and the own-token NLL computed from the same forward's logits"
-    CHECKS = 6  # training forwards compared at most
+    CHECKS = 2  # training forwards compared (a loop's labels do not change with training)
     CONFIRM = 2  # forwards whose loss must read as own-token NLL: one integer coincidence does not fire
 
     def __init__(self) -> None:
@@ -852,14 +864,16 @@ class BlackBoxLabelAlignment(BlackBoxDetector):
         self.checked, self.verdicts = 0, []
 
     def on_forward(self, ctx, batch, logits, loss) -> None:
-        if self.checked >= self.CHECKS or loss is None or logits is None or "input_ids" not in batch:
+        if loss is None or logits is None or "input_ids" not in batch:
             return
         self.checked += 1
+        if self.checked >= self.CHECKS:
+            self.retire("on_forward")
         with torch.no_grad():
             result = label_alignment(batch, logits, loss)
         if result is not None:
             self.verdicts.append(result)
         if len(self.verdicts) == self.CONFIRM:
-            self.checked = self.CHECKS
+            self.retire("on_forward")
             self.report(ctx, result.subsystem, result.where, result.message, {"gap": result.gap, **result.evidence},
                         confidence=0.85)
