@@ -48,6 +48,23 @@ def test_implied_labels_weights_and_loss_of_a_cross_entropy_are_exact():
     assert result.residual < 1e-4
 
 
+@pytest.mark.parametrize("shift", [1, 0, 2])  # next-token labels (the candidates), unshifted, shifted twice
+def test_checking_the_next_tokens_first_changes_no_implied_label_weight_or_loss(shift):
+    torch.manual_seed(shift)
+    ids = torch.randint(0, 11, (3, 9))
+    labels = ids.roll(-shift, 1)
+    labels[:, -max(shift, 1):] = -100
+    labels[1, 6:] = -100
+    logits = torch.randn(3, 9, 11, requires_grad=True)
+    F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100).backward()
+    searched = implied(logits.detach(), logits.grad)
+    guessed = implied(logits.detach(), logits.grad.clone(), {"input_ids": ids})  # a new grad object: not cached
+    keep = searched.labelled
+    assert torch.equal(guessed.labelled, keep) and torch.equal(guessed.y[keep], labels[keep])
+    assert torch.equal(searched.y[keep], labels[keep]) and torch.allclose(guessed.nll[keep], searched.nll[keep])
+    assert torch.equal(guessed.w.isnan(), searched.w.isnan()) and guessed.loss == pytest.approx(searched.loss)
+
+
 def test_a_smoothed_loss_does_not_have_the_cross_entropy_shape():
     torch.manual_seed(0)
     logits = torch.randn(2, 9, 13, requires_grad=True)
@@ -157,7 +174,7 @@ def toy_loop(steps=4, accum=2, side="right", bug=None, seed=0, scaler=False, det
             grad_scaler.update()
             opt.zero_grad(set_to_none=True)
             losses.append(total)
-    w.loop_losses = losses
+    w.loop_losses, w.last_logits = losses, logits
     return w
 
 
@@ -178,6 +195,16 @@ def _assert_sampled(w) -> None:
     for i, (seen, loop) in enumerate(zip(losses, w.loop_losses, strict=True)):
         sampled = i < IMPLIED_LOSS_DENSE or i % IMPLIED_LOSS_EVERY == 0
         assert seen == (pytest.approx(loop, rel=1e-4) if sampled else None), (i, losses)
+
+
+def test_the_gradient_checks_retire_and_then_no_logits_gradient_is_hooked():
+    """Each gradient analysis examines the first micro-batches only; once none takes on_backward, the watch stops
+    hooking the logits (no implied loss is due at the last step either: the model returns none, and the step is
+    neither one of the dense ones nor an IMPLIED_LOSS_EVERY-th)."""
+    w = toy_loop(steps=IMPLIED_LOSS_EVERY - 1, accum=2)
+    assert w.findings == [] and w.errors == {} and w.not_applicable == {}, w.report()
+    assert all("on_backward" in det.retired for det in w.detectors), [(d.id, d.retired) for d in w.detectors]
+    assert not w.last_logits._backward_hooks  # the last forward's logits: nothing hooked
 
 
 def test_the_implied_loss_fills_the_step_record_with_no_detector():

@@ -9,13 +9,17 @@ rows' layout shows them. Each run takes a few milliseconds.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import faultbench
-from faultbench.detectors.blackbox.batches import layout
+from faultbench.detectors.blackbox.batches import batch_hash, layout, row_hashes
 from tests.watch.test_gradients import Toy
 
 PAD, EOS, BOS, VOCAB, LIMIT, ROWS, STEPS = 0, 1, 2, 24, 16, 4, 8
@@ -85,6 +89,24 @@ def test_layout_counts_the_rows_ends_and_the_padding_past_the_longest_row():
     unpadded = layout(torch.tensor([[BOS, BOS, 5, EOS], [BOS, 5, 6, 7]]), None, special)
     assert unpadded == {"rows": 2, "len": 4, "cells": 8, "idle": 0, "bos": 2, "bos2": 1, "eos": 1, "full": 2,
                         "full_eos": 1}
+
+
+def test_a_rows_hash_is_its_real_tokens_whatever_the_padding_and_the_same_in_every_process():
+    docs = [[BOS, 5, 6, EOS], [BOS, 5, EOS], [BOS, 7, 6, 5, EOS]]
+    right = row_hashes(**_ids_mask(_collate(docs)))
+    for side, width in (("left", None), ("right", 9), ("left", 9)):
+        assert torch.equal(row_hashes(**_ids_mask(_collate(docs, width=width, side=side))), right), (side, width)
+    assert torch.equal(row_hashes(torch.tensor(docs[0]), None), right[:1])  # one unpadded row
+    changed = row_hashes(**_ids_mask(_collate([[BOS, 5, 6, EOS], [BOS, 6, EOS], docs[2]])))
+    assert [bool(a == b) for a, b in zip(changed, right, strict=True)] == [True, False, True]
+    assert batch_hash(right) != batch_hash(right.flip(0))  # a batch's hash depends on its rows' order
+    # ranks compare hashes: another process (another str-hash seed) computes the same ones
+    code = ("import torch; from faultbench.detectors.blackbox.batches import row_hashes; "
+            f"print(row_hashes(torch.tensor({_collate(docs)['input_ids'].tolist()}), "
+            f"torch.tensor({_collate(docs)['attention_mask'].tolist()})).tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    assert json.loads(out) == right.tolist()
 
 
 def _ids_mask(batch: dict) -> dict:
