@@ -467,8 +467,9 @@ class Watch:
     def _fire(self, hook: str, *args) -> None:
         """Call ``hook`` on the detectors ``_listening`` to it."""
         timer = self.step_seconds if hook in _STEP_HOOKS else self.other_seconds
+        end = time.perf_counter()
         for det, method in self._listening(hook):
-            start = time.perf_counter()
+            start = end  # one clock reading between two detectors: each is timed to the next one's start
             try:
                 method(*args)
                 if hook in det.retired:
@@ -480,7 +481,8 @@ class Watch:
                 self.errors[det.id] = f"{hook}: {type(e).__name__}: {e}"
                 self._listeners.clear()
             finally:
-                seconds = time.perf_counter() - start
+                end = time.perf_counter()
+                seconds = end - start
                 self._fired_s += seconds
                 timer[det.id] = timer.get(det.id, 0.0) + seconds  # a probe's too: inside a step, not the loop's time
 

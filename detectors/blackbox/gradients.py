@@ -47,13 +47,14 @@ class Implied:
     ``nll`` (-log p(y)); ``y`` and ``nll`` mean something at labelled positions only; ``loss``: sum(w * nll), this
     micro-batch's share of the loss the backward differentiated; ``residual``: the gradient's distance from
     w * (softmax - onehot) on a sample of positions (relative; ~1e-6 in fp32, ~1e-2 from bf16 gradients; large for
-    a loss that is not a softmax cross-entropy), when ``shape_checked`` (else None: not measured)."""
+    a loss that is not a softmax cross-entropy), when ``shape_checked`` (else None: not measured). A labels-only
+    analysis (``implied(labels_only=True)``) has ``w``, ``nll`` and ``loss`` None."""
 
     labelled: torch.Tensor
     y: torch.Tensor
-    w: torch.Tensor
-    nll: torch.Tensor
-    loss: float
+    w: torch.Tensor | None
+    nll: torch.Tensor | None
+    loss: float | None
     residual: float | None
     shape_checked: bool = True
 
@@ -86,12 +87,18 @@ def _labels(g: torch.Tensor, g_y: torch.Tensor, guess: torch.Tensor | None) -> t
     return y
 
 
-def _core(z: torch.Tensor, g: torch.Tensor, guess: torch.Tensor | None = None):
-    """(g_y, y, labelled, nll, 1 - p(y)) per position of float logits ``z`` and their gradient ``g``."""
-    g_y = g.amin(-1)
-    y = _labels(g, g_y, guess)
+def _core(z: torch.Tensor, g: torch.Tensor, guess: torch.Tensor | None = None, labels=None):
+    """(g_y, y, labelled, nll, 1 - p(y)) per position of float logits ``z`` and their gradient ``g``; ``labels``:
+    (g_y, y) when already known."""
+    g_y, y = labels if labels is not None else _min_labels(g, guess)
     nll = (-torch.log_softmax(z, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)).clamp(min=0)
     return g_y, y, g_y < 0, nll, -torch.expm1(-nll)
+
+
+def _min_labels(g: torch.Tensor, guess: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each position's minimum gradient entry, its index: the label)."""
+    g_y = g.amin(-1)
+    return g_y, _labels(g, g_y, guess)
 
 
 def next_tokens(batch: dict, logits: torch.Tensor) -> torch.Tensor | None:
@@ -114,26 +121,33 @@ def _shaped(logits: torch.Tensor, grad: torch.Tensor) -> bool:
 
 
 def implied(logits: torch.Tensor, grad: torch.Tensor, batch: dict | None = None,
-            check_shape: bool = True) -> Implied | None:
+            check_shape: bool = True, labels_only: bool = False) -> Implied | None:
     """The labels, weights and loss implied by ``grad`` = d loss / d ``logits`` (B, T, V), or None for other
     shapes. ``batch``: the forward's, whose next tokens are checked first as labels (a shortcut that changes no
-    result); ``check_shape``: measure the residual too. Cost: one min and one log-softmax over the logits (cached
-    for the same ``grad`` object)."""
+    result); ``check_shape``: measure the residual too; ``labels_only`` (without ``check_shape``): the labels
+    alone, no log-softmax. Cost: one min and one log-softmax over the logits (cached for the same ``grad``
+    object)."""
     global _cache
-    if _cache is not None and _cache[0]() is grad:
-        result = _cache[1]
-        if check_shape and not result.shape_checked:
+    labels_only = labels_only and not check_shape  # the residual needs the weights
+    cached = _cache[1] if _cache is not None and _cache[0]() is grad else None
+    if cached is not None and (labels_only or cached.w is not None):
+        if check_shape and not cached.shape_checked:
             with torch.no_grad():
-                measurable = result.labelled & ~result.w.isnan()
-                result.residual = _residual(logits.detach().float(), grad.detach().float(), result.y, result.w,
+                measurable = cached.labelled & ~cached.w.isnan()
+                cached.residual = _residual(logits.detach().float(), grad.detach().float(), cached.y, cached.w,
                                             measurable)
-            result.shape_checked = True
-        return result
+            cached.shape_checked = True
+        return cached
     if not _shaped(logits, grad):
         return None
     with torch.no_grad():
         z, g = logits.detach().float(), grad.detach().float()
-        g_y, y, labelled, nll, q = _core(z, g, next_tokens(batch or {}, z))
+        labels = None if cached is None else (g.amin(-1), cached.y)
+        if labels_only:
+            g_y, y = _min_labels(g, next_tokens(batch or {}, z))
+            _cache = (weakref.ref(grad), Implied(g_y < 0, y, None, None, None, None, False))
+            return _cache[1]
+        g_y, y, labelled, nll, q = _core(z, g, next_tokens(batch or {}, z), labels)
         measurable = labelled & (q > SATURATED)
         w = (-g_y / q.clamp(min=SATURATED)).masked_fill_(~measurable, 0.0)
         w.masked_fill_(labelled & ~measurable, math.nan)
@@ -146,13 +160,15 @@ def implied(logits: torch.Tensor, grad: torch.Tensor, batch: dict | None = None,
 def implied_loss(logits: torch.Tensor, grad: torch.Tensor, batch: dict | None = None) -> float | None:
     """``implied(logits, grad, batch).loss`` alone: the analysis of the same backward when a detector made it, else
     only the loss's terms (no weights, no residual: about half the cost)."""
-    if _cache is not None and _cache[0]() is grad:
-        return _cache[1].loss
+    cached = _cache[1] if _cache is not None and _cache[0]() is grad else None
+    if cached is not None and cached.loss is not None:
+        return cached.loss
     if not _shaped(logits, grad):
         return None
     with torch.no_grad():
-        z = logits.detach().float()
-        g_y, _, _, nll, q = _core(z, grad.detach().float(), next_tokens(batch or {}, z))
+        z, g = logits.detach().float(), grad.detach().float()
+        labels = None if cached is None else (g.amin(-1), cached.y)
+        g_y, _, _, nll, q = _core(z, g, next_tokens(batch or {}, z), labels)
         return _loss(g_y, nll, q)
 
 
@@ -184,10 +200,13 @@ class _GradientDetector(BlackBoxDetector):
         self._off_shape = 0
         self._on_shape = 0
 
-    def implied_of(self, batch: dict, logits, grad) -> Implied | None:
+    def implied_of(self, batch: dict, logits, grad, labels_only: bool = False) -> Implied | None:
+        """The analysis of this backward (``labels_only``: its labels alone, once the loss's shape is confirmed), or
+        None while the gradient does not have the cross-entropy shape."""
         if logits is None or grad is None:
             return None
-        result = implied(logits, grad, batch, check_shape=self._on_shape < self.SHAPE_CONFIRM)
+        result = implied(logits, grad, batch, check_shape=self._on_shape < self.SHAPE_CONFIRM,
+                         labels_only=labels_only)
         if result is None:
             raise NotApplicable("the model's output is not per-position logits (batch, positions, vocabulary)")
         if result.residual is not None and result.residual <= self.MAX_RESIDUAL:
@@ -292,7 +311,7 @@ class ImpliedLabels(_GradientDetector):
             self.retire("on_backward")
 
     def _examine(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
-        result = self.implied_of(batch, logits, grad_logits)
+        result = self.implied_of(batch, logits, grad_logits, labels_only=True)
         tokens = None if result is None else _tokens(batch, result)
         if tokens is None:
             return
@@ -409,7 +428,7 @@ class LossPadding(_GradientDetector):
             self.retire("on_backward")
 
     def _examine(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
-        result = self.implied_of(batch, logits, grad_logits)
+        result = self.implied_of(batch, logits, grad_logits, labels_only=True)
         tokens = None if result is None else _tokens(batch, result)
         if tokens is None or tokens[1] is None:
             return

@@ -65,6 +65,22 @@ def test_checking_the_next_tokens_first_changes_no_implied_label_weight_or_loss(
     assert torch.equal(guessed.w.isnan(), searched.w.isnan()) and guessed.loss == pytest.approx(searched.loss)
 
 
+def test_a_labels_only_analysis_has_the_full_ones_labels_and_is_completed_on_demand():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 8))
+    F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1)).backward()
+    full = implied(logits.detach(), logits.grad.clone())
+    grad = logits.grad
+    labels_only = implied(logits.detach(), grad, check_shape=False, labels_only=True)
+    assert labels_only.w is None and labels_only.loss is None
+    assert torch.equal(labels_only.labelled, full.labelled) and torch.equal(labels_only.y, full.y)
+    assert implied(logits.detach(), grad, check_shape=False, labels_only=True) is labels_only  # cached
+    completed = implied(logits.detach(), grad)  # the same backward, now with weights, loss and shape
+    assert completed.loss == pytest.approx(full.loss) and torch.equal(completed.w.isnan(), full.w.isnan())
+    assert completed.residual == pytest.approx(full.residual, abs=1e-6)
+
+
 def test_a_smoothed_loss_does_not_have_the_cross_entropy_shape():
     torch.manual_seed(0)
     logits = torch.randn(2, 9, 13, requires_grad=True)
