@@ -246,8 +246,23 @@ class BlackBoxDetector(Detector):
     sampled: ClassVar[bool] = False
     retired: frozenset[str] = frozenset()  # hooks this detector needs no more (``retire``)
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._tallies: dict[str, list] = {}  # ``tally``'s evidence, per kind of finding
+
     def check_applicable(self, ctx: Any) -> None:
         """Black-box detectors declare no run paths: a hook raises ``NotApplicable`` where an assumption fails."""
+
+    def tally(self, key: str, hit: Any, need: int, in_a_row: bool = False) -> list | None:
+        """Evidence for one kind of finding, gathered over steps: ``hit`` (None: not this time) joins ``key``'s
+        list, which a miss empties when ``in_a_row``; the list once it holds ``need`` hits (the first is the one a
+        message quotes), else None."""
+        hits = self._tallies.setdefault(key, [])
+        if hit is not None:
+            hits.append(hit)
+        elif in_a_row:
+            hits.clear()
+        return hits if len(hits) >= need else None
 
     def retire(self, hook: str) -> None:
         """This detector's checks on ``hook`` are done (it examined what it needed): the watch calls it there no

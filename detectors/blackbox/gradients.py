@@ -420,7 +420,6 @@ class LossPadding(_GradientDetector):
     def __init__(self) -> None:
         super().__init__()
         self.examined = 0
-        self.hits: dict[str, list[dict]] = {"on_pads": [], "pad_id_ignored": []}
 
     def on_backward(self, ctx: WatchContext, batch: dict, logits, grad_logits) -> None:
         self._examine(ctx, batch, logits, grad_logits)
@@ -453,9 +452,8 @@ class LossPadding(_GradientDetector):
                 self._hit(ctx, "pad_id_ignored", {"step": ctx.step, "pad_id": pad, "ignored_real_targets": n})
 
     def _hit(self, ctx: WatchContext, kind: str, evidence: dict) -> None:
-        hits = self.hits[kind]
-        hits.append(evidence)
-        if len(hits) < self.CONFIRM:
+        hits = self.tally(kind, evidence, self.CONFIRM)
+        if not hits:
             return
         first = hits[0]
         if kind == "on_pads":

@@ -32,21 +32,17 @@ class LRShape(BlackBoxDetector):
     MIN_STEPS = 20
     MIN_MISMATCH = 2
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._mismatch: list[tuple[int, float, float]] = []
-
     def on_before_step(self, ctx: WatchContext) -> None:
         if ctx.scheduler is None or not hasattr(ctx.scheduler, "get_last_lr"):
             return
         used, reported = float(ctx.optimizer.param_groups[0]["lr"]), float(ctx.scheduler.get_last_lr()[0])
-        if not math.isclose(used, reported, rel_tol=1e-6, abs_tol=1e-12):
-            self._mismatch.append((ctx.step + 1, used, reported))
-        if len(self._mismatch) >= self.MIN_MISMATCH:
+        mismatch = None if math.isclose(used, reported, rel_tol=1e-6, abs_tol=1e-12) else (ctx.step + 1, used, reported)
+        hits = self.tally("ignored", mismatch, self.MIN_MISMATCH)
+        if hits:
             self.report_once("ignored", ctx, "optimizer", "scheduler",
                              f"the optimizer steps with lr {used:.3g} while the scheduler reports {reported:.3g}: the "
                              "schedule does not reach the optimizer (it is stepped on another optimizer, or the lr is "
-                             "overwritten after it)", {"steps": self._mismatch[:5]}, confidence=0.8)
+                             "overwritten after it)", {"steps": hits[:5]}, confidence=0.8)
 
     def on_end(self, ctx: WatchContext) -> None:
         lrs = [r.lrs[0] for r in ctx.history if r.lrs]
@@ -72,21 +68,17 @@ class GradientsCleared(BlackBoxDetector):
     description = "stale gradients at the first backward after a step (zero_grad missing)"
     MIN_STEPS = 2
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._stale: list[dict] = []
-
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
         # ctx.stale_grads describes the backward of the step just taken (the one after the previous step)
-        if record.step > 1 and ctx.stale_grads:
-            self._stale.append({"step": record.step, **ctx.stale_grads})
-        if len(self._stale) >= self.MIN_STEPS:
-            first = self._stale[0]
+        stale = {"step": record.step, **ctx.stale_grads} if record.step > 1 and ctx.stale_grads else None
+        hits = self.tally("stale", stale, self.MIN_STEPS)
+        if hits:
+            first = hits[0]
             self.report_once("stale", ctx, "optimizer", "optimizer",
                              f"gradients of the previous step were still in .grad when the next backward began "
                              f"({first['params']} of {first['of']} parameters, norm {first['norm']:.3g}, at step "
                              f"{first['step']}): zero_grad is not called between optimizer steps, so every step adds "
-                             "the gradients of all earlier ones", {"steps": self._stale[:5]}, confidence=0.85)
+                             "the gradients of all earlier ones", {"steps": hits[:5]}, confidence=0.85)
 
 
 class _GraphToken:
@@ -146,10 +138,6 @@ class ClipOnScaledGrads(BlackBoxDetector):
     MIN_SCALE = 256.0
     MIN_STEPS = 3
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._hits: list[dict] = []
-
     def on_start(self, ctx: WatchContext) -> None:
         if not ctx.scaler_enabled:
             raise NotApplicable("no enabled loss scaler (GradScaler) was given")
@@ -159,16 +147,16 @@ class ClipOnScaledGrads(BlackBoxDetector):
             return
         true_norm = record.backward_norm / record.scale
         ratio = record.grad_norm / true_norm
-        if ratio < 1 / math.sqrt(record.scale):
-            self._hits.append({"step": record.step, "scale": record.scale, "norm_stepped": record.grad_norm,
-                               "unscaled_norm": true_norm, "ratio": ratio})
-        if len(self._hits) >= self.MIN_STEPS:
-            hit = self._hits[0]
+        hits = self.tally("clip", {"step": record.step, "scale": record.scale, "norm_stepped": record.grad_norm,
+                                   "unscaled_norm": true_norm, "ratio": ratio}
+                          if ratio < 1 / math.sqrt(record.scale) else None, self.MIN_STEPS)
+        if hits:
+            hit = hits[0]
             self.report_once("clip", ctx, "precision", "scaler",
                              f"the optimizer stepped with gradients of norm {hit['norm_stepped']:.3g} while their "
                              f"unscaled norm was {hit['unscaled_norm']:.3g} (ratio {hit['ratio']:.2g}, scale "
                              f"{hit['scale']:g}): they were clipped while still scaled, before scaler.unscale_, so "
-                             "every update is ~scale times too small", {"steps": self._hits[:5]}, confidence=0.85)
+                             "every update is ~scale times too small", {"steps": hits[:5]}, confidence=0.85)
 
 
 @register
@@ -442,10 +430,6 @@ class GoldenLoss(BlackBoxDetector):
     description = "loss outside the envelope of the user's own known-good runs"
     MIN_STEPS = 3
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._streak: list[dict] = []
-
     def on_start(self, ctx: WatchContext) -> None:
         if not ctx.golden or not ctx.golden.get("steps"):
             raise NotApplicable("no golden envelope was given (faultbench.record_golden)")
@@ -458,13 +442,13 @@ class GoldenLoss(BlackBoxDetector):
         tol = max(3 * (hi - lo), 0.1 * abs(hi))
         outside = not (lo - tol <= record.loss <= hi + tol)
         point = {"step": record.step, "loss": record.loss, "golden": [lo, hi]}
-        self._streak = self._streak + [point] if outside else []
-        if len(self._streak) >= self.MIN_STEPS:
-            first = self._streak[0]
+        streak = self.tally("out", point if outside else None, self.MIN_STEPS, in_a_row=True)
+        if streak:
+            first = streak[0]
             self.report_once("out", ctx, "loss", "loss",
                              f"from step {first['step']} the loss ({first['loss']:.4g}) left the envelope of the "
                              f"known-good runs ({first['golden'][0]:.4g}..{first['golden'][1]:.4g}) for "
-                             f"{self.MIN_STEPS} steps in a row", {"steps": self._streak}, confidence=0.3)
+                             f"{self.MIN_STEPS} steps in a row", {"steps": list(streak)}, confidence=0.3)
 
 
 # the monitors against golden runs, resumed segments and other ranks live beside these (registered on import)

@@ -127,8 +127,6 @@ class GoldenGradNorm(BlackBoxDetector):
 
     def __init__(self) -> None:
         super().__init__()
-        self._empty: list[int] = []
-        self._high: list[dict] = []
         self._backward = False
 
     def on_before_step(self, ctx: WatchContext) -> None:
@@ -137,33 +135,29 @@ class GoldenGradNorm(BlackBoxDetector):
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
         if not record.sampled:  # its norm was not measured: "in a row" counts the sampled steps
             return
-        if not record.grad_norm and self._backward:
-            self._empty.append(record.step)
-        else:
-            self._empty = []
-        if len(self._empty) >= self.MIN_STEPS:
+        empty = self.tally("empty", record.step if not record.grad_norm and self._backward else None, self.MIN_STEPS,
+                           in_a_row=True)
+        if empty:
             self.report_once("empty", ctx, "optimizer", "optimizer",
                              f"the optimizer stepped with no gradient "
                              f"({'norm 0' if record.grad_norm == 0 else 'all None'})"
-                             f" at steps {self._empty[:3]} although a backward ran before each: the gradients are "
+                             f" at steps {empty[:3]} although a backward ran before each: the gradients are "
                              "cleared between the backward and optimizer.step (zero_grad in the wrong place)",
-                             {"steps": self._empty[:5]}, confidence=0.85)
+                             {"steps": empty[:5]}, confidence=0.85)
         steps = _golden_steps(ctx)
         span = _span(steps, record.step - 1, _window(ctx), "grad_norm") if steps else None
         if span is None or record.grad_norm is None or not math.isfinite(record.grad_norm):
             return
-        if record.grad_norm > self.HIGH * span[1]:
-            self._high.append({"step": record.step, "grad_norm": record.grad_norm, "golden": list(span)})
-        else:
-            self._high = []
-        if len(self._high) >= self.MIN_STEPS:
-            first = self._high[0]
+        high = self.tally("high", {"step": record.step, "grad_norm": record.grad_norm, "golden": list(span)}
+                          if record.grad_norm > self.HIGH * span[1] else None, self.MIN_STEPS, in_a_row=True)
+        if high:
+            first = high[0]
             self.report_once("high", ctx, "optimizer", "optimizer",
                              f"from step {first['step']} the optimizer stepped with gradients of norm "
                              f"{first['grad_norm']:.3g} where the known-good runs stepped with at most "
                              f"{first['golden'][1]:.3g}, {self.MIN_STEPS} steps in a row: their clipping does not "
                              "act on what the optimizer steps with (clipped before the backward, or not at all)",
-                             {"steps": self._high[:5]}, confidence=0.6)
+                             {"steps": high[:5]}, confidence=0.6)
 
 
 _PRECISION_KEYS = ("dtypes",)
