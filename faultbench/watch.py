@@ -45,7 +45,13 @@ import torch
 from faultbench.detectors.api import Finding, NotApplicable, all_detectors, rank_findings
 from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
 from faultbench.detectors.blackbox.batches import FRACTIONS as LAYOUT_FRACTIONS
-from faultbench.detectors.blackbox.batches import batch_hash, fingerprint, layout_fractions, row_hashes, special_ids
+from faultbench.detectors.blackbox.batches import (
+    batch_hash,
+    document_hashes,
+    fingerprint,
+    layout_fractions,
+    special_ids,
+)
 from faultbench.detectors.blackbox.gradients import implied_loss as implied_loss_of
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
@@ -149,6 +155,7 @@ class Watch:
         self._eval_handles: list = []  # after exit: forward hooks for evaluations only (watch_evaluations)
         self._eval_call = False  # the forward in flight is an evaluation one (its hook time is not step time)
         self._forward_hooks = (self._before_forward, self._after_forward)
+        self._stale_check = self._guard(self._grad_arrives)  # hooked on a sampled step's first logits
         self.detectors = _instantiate(detectors)
         self._listeners: dict[tuple, list] = {}  # (hook, sparse step) -> [(detector, bound hook)] of the active ones
         self.print_report, self.out = report, out
@@ -309,7 +316,7 @@ class Watch:
             if self._fresh and not self._stale_hooked and isinstance(logits, torch.Tensor) and logits.requires_grad \
                     and self.ctx.sampled_step:  # a forgotten zero_grad leaves stale gradients on every step alike
                 self._stale_hooked = True
-                logits.register_hook(self._guard(self._grad_arrives))
+                logits.register_hook(self._stale_check)
             self._fire("on_forward", self.ctx, batch, logits, loss)
             # the loss the backward differentiates, when the model returns none: on the dense steps, then sparsely
             implied_loss = loss is None and self.ctx.sampled_every(IMPLIED_LOSS_EVERY, IMPLIED_LOSS_DENSE)
@@ -371,15 +378,12 @@ class Watch:
     def _eval_fingerprint(self, batch: dict) -> None:
         """An evaluation batch's documents (rows of EVAL_MIN_TOKENS real tokens or more) that the run trained on:
         counted on the last step's record (``StepRecord.evals``: [evaluated, of them trained on])."""
-        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+        ids = batch.get("input_ids")
         if not self.ctx.history or not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
             return
-        lengths = (mask != 0).sum(-1) if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else \
-            torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
-        long = (lengths >= self.EVAL_MIN_TOKENS).cpu()
-        if not bool(long.any()):
+        hashes = document_hashes(ids, batch.get("attention_mask"), self.EVAL_MIN_TOKENS)
+        if not hashes:
             return
-        hashes = row_hashes(ids, mask)[long].tolist()
         record = self.ctx.history[-1]
         seen = sum(h in self.ctx.train_rows for h in hashes)
         record.evals = [(record.evals or [0, 0])[0] + len(hashes), (record.evals or [0, 0])[1] + seen]

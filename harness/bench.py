@@ -362,9 +362,9 @@ def mark_manifested(records: dict[Case, dict]) -> None:
             record["manifested"] = None if clean is None else behaviour(record) != behaviour(clean)
 
 
-def target_scores(rows: list[dict], records: list[dict], faults: dict[str, dict], registry) -> tuple[dict, dict]:
+def target_scores(rows: list[dict], records: list[dict], faults: dict[str, dict], registry,
+                  passive: dict[str, bool]) -> tuple[dict, dict]:
     """One target's summary (its rows, records and faults) and its detectors' timings, apart."""
-    passive = {d: cls.passive for d, cls in registry.items()}
     detector_ids = list(dict.fromkeys(r["detector"] for r in rows))
     scores = {d: aggregate([r for r in rows if r["detector"] == d], passive) for d in detector_ids}
     for d in detector_ids:
@@ -390,14 +390,14 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
     from faultbench.harness.report import write_results
 
     registry = all_detectors()
-    passive = lambda d: d not in registry or registry[d].passive  # noqa: E731
+    passive = {d: cls.passive for d, cls in registry.items()}  # detector id -> its step hooks count in overhead
     rows = [row for record in records for row in case_rows(record, faults, suite_ids(), black_box_suite_ids(), passive)]
     names = [t for t in targets.names() if any(target_of(r) == t for r in records)]
     per_target, per_timings = {}, {}
     for t in names:
         per_target[t], per_timings[t] = target_scores(
             [r for r in rows if r["target"] == t], [r for r in records if target_of(r) == t],
-            {f: m for f, m in faults.items() if m["target"] == t}, registry)
+            {f: m for f, m in faults.items() if m["target"] == t}, registry, passive)
     timings = {"wall_s": round(wall_s, 1), "cached_cases": cached,  # from .cache/bench: wall_s covers the rest
                "detectors": per_timings}
     summary = {"cases": len(records), "faults": len(faults), "seeds": list(cfg.seeds),

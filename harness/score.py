@@ -96,9 +96,11 @@ def seam_of(finding: dict, seams) -> str | None:
 
 
 def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str], blackbox_ids=(),
-              passive=lambda detector: True) -> list[dict]:
+              passive: dict[str, bool] | None = None) -> list[dict]:
     """One row per detector of the case, and one per track's suite when the case ran detectors of it (its step
-    seconds: its ``passive`` members' and its machinery's)."""
+    seconds: its machinery's and its members', less those ``passive`` says are not: detector id -> counts in
+    overhead, True when absent, as ``aggregate``'s)."""
+    passive = passive or {}
     seams = _seam_table(target_of(record))
     record = {**record, "findings": [{**f, "seam": seam_of(f, seams)} for f in record["findings"]]}
     case = record["case"]
@@ -122,7 +124,7 @@ def case_rows(record: dict, faults: dict[str, dict], suite_ids: list[str], black
         if not members:
             continue
         found = [f for f in record["findings"] if f["detector"] in members]
-        timed = [*filter(passive, members), *machinery]  # the watch's own hook time is its track's overhead too
+        timed = [*(d for d in members if passive.get(d, True)), *machinery]  # the watch's time is overhead too
         rows.append({**base, "detector": name, **score_findings(found, fault, trig),
                      "step_s": sum(record["step_seconds"].get(d, 0.0) for d in timed),
                      "other_s": sum(record["other_seconds"].get(d, 0.0) for d in timed),

@@ -57,6 +57,11 @@ def row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Ten
     return torch.tensor([hash(r) for r in _real_rows(ids, mask)[0]], dtype=torch.int64)
 
 
+def document_hashes(ids: torch.Tensor, mask: torch.Tensor | None, min_tokens: int) -> list[int]:
+    """The row hashes of the rows holding ``min_tokens`` real tokens or more (documents, not decoding steps)."""
+    return [hash(r) for r in _real_rows(ids, mask)[0] if len(r) >= min_tokens]
+
+
 def batch_hash(rows) -> int:
     """One int for a batch from its row hashes (order matters): a list, tensor or array of them."""
     return hash(tuple(int(h) for h in rows))

@@ -87,12 +87,11 @@ def _labels(g: torch.Tensor, g_y: torch.Tensor, guess: torch.Tensor | None) -> t
     return y
 
 
-def _core(z: torch.Tensor, g: torch.Tensor, guess: torch.Tensor | None = None, labels=None):
-    """(g_y, y, labelled, nll, 1 - p(y)) per position of float logits ``z`` and their gradient ``g``; ``labels``:
-    (g_y, y) when already known."""
-    g_y, y = labels if labels is not None else _min_labels(g, guess)
+def _core(z: torch.Tensor, g_y: torch.Tensor, y: torch.Tensor):
+    """(labelled, nll, 1 - p(y)) per position of float logits ``z``, given each position's minimum gradient entry
+    ``g_y`` and its index ``y``."""
     nll = (-torch.log_softmax(z, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)).clamp(min=0)
-    return g_y, y, g_y < 0, nll, -torch.expm1(-nll)
+    return g_y < 0, nll, -torch.expm1(-nll)
 
 
 def _min_labels(g: torch.Tensor, guess: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,12 +141,12 @@ def implied(logits: torch.Tensor, grad: torch.Tensor, batch: dict | None = None,
         return None
     with torch.no_grad():
         z, g = logits.detach().float(), grad.detach().float()
-        labels = None if cached is None else (g.amin(-1), cached.y)
+        # the labels: those of a labels-only analysis of this gradient, now completed, else found
+        g_y, y = (g.amin(-1), cached.y) if cached is not None else _min_labels(g, next_tokens(batch or {}, z))
         if labels_only:
-            g_y, y = _min_labels(g, next_tokens(batch or {}, z))
             _cache = (weakref.ref(grad), Implied(g_y < 0, y, None, None, None, None, False))
             return _cache[1]
-        g_y, y, labelled, nll, q = _core(z, g, next_tokens(batch or {}, z), labels)
+        labelled, nll, q = _core(z, g_y, y)
         measurable = labelled & (q > SATURATED)
         w = (-g_y / q.clamp(min=SATURATED)).masked_fill_(~measurable, 0.0)
         w.masked_fill_(labelled & ~measurable, math.nan)
@@ -158,18 +157,10 @@ def implied(logits: torch.Tensor, grad: torch.Tensor, batch: dict | None = None,
 
 
 def implied_loss(logits: torch.Tensor, grad: torch.Tensor, batch: dict | None = None) -> float | None:
-    """``implied(logits, grad, batch).loss`` alone: the analysis of the same backward when a detector made it, else
-    only the loss's terms (no weights, no residual: about half the cost)."""
-    cached = _cache[1] if _cache is not None and _cache[0]() is grad else None
-    if cached is not None and cached.loss is not None:
-        return cached.loss
-    if not _shaped(logits, grad):
-        return None
-    with torch.no_grad():
-        z, g = logits.detach().float(), grad.detach().float()
-        labels = None if cached is None else (g.amin(-1), cached.y)
-        g_y, _, _, nll, q = _core(z, g, next_tokens(batch or {}, z), labels)
-        return _loss(g_y, nll, q)
+    """``implied(logits, grad, batch).loss``: the analysis of the same backward when a detector made it, else one
+    without the residual."""
+    result = implied(logits, grad, batch, check_shape=False)
+    return None if result is None else result.loss
 
 
 def _residual(z, g, y, w, measurable, sample: int = 32) -> float | None:
@@ -755,7 +746,6 @@ class ReportedGradNorm(BlackBoxDetector):
         self._reports: dict[int, float] = {}  # step -> the norm the loop reported for it
         self._reported = False
         self._errors: list[str] = []  # of the measurements at the end of backwards
-        self.hits: list[dict] = []
 
     def on_start(self, ctx: WatchContext) -> None:
         if ctx.world_size > 1 and not _process_group():
@@ -801,13 +791,14 @@ class ReportedGradNorm(BlackBoxDetector):
         bound, reported = self._bounds.pop(step), self._reports.pop(step)
         if not (math.isfinite(bound) and math.isfinite(reported) and bound > 0) or reported <= (1 + self.TOL) * bound:
             return
-        self.hits.append({"step": step, "reported": reported, "backward": bound, "ratio": reported / bound})
-        if len(self.hits) == self.CONFIRM:
-            self._report(ctx)
+        hits = self.tally("grown", {"step": step, "reported": reported, "backward": bound, "ratio": reported / bound},
+                          self.CONFIRM)
+        if hits is not None and len(hits) == self.CONFIRM:
+            self._report(ctx, hits)
 
-    def _report(self, ctx: WatchContext) -> None:
-        first, world = self.hits[0], ctx.world_size
-        ratio = statistics.median(h["ratio"] for h in self.hits)
+    def _report(self, ctx: WatchContext, hits: list[dict]) -> None:
+        first, world = hits[0], ctx.world_size
+        ratio = statistics.median(h["ratio"] for h in hits)
         if world > 1 and abs(ratio / world - 1) < 0.1:
             subsystem, where, why = "distributed", "ranks", (f"by the world size ({world}): the gradients the ranks' "
                                                              "sync already averaged are reduced (summed) once more "
@@ -817,9 +808,9 @@ class ReportedGradNorm(BlackBoxDetector):
                                                                "multiplies the gradients")
         self.report(ctx, subsystem, where,
                     f"the loop reports a gradient norm of {first['reported']:.4g} at step {first['step']} where its "
-                    f"backward left gradients of norm {first['backward']:.4g} ({ratio:.3g} x, {len(self.hits)} steps): "
+                    f"backward left gradients of norm {first['backward']:.4g} ({ratio:.3g} x, {len(hits)} steps): "
                     f"{why}; the clipping, the optimizer and the log see gradients {ratio:.3g} x too large",
-                    {"steps": self.hits, "world_size": world}, confidence=0.7, step=first["step"] - 1)
+                    {"steps": hits, "world_size": world}, confidence=0.7, step=first["step"] - 1)
 
     def on_end(self, ctx: WatchContext) -> None:
         if self._errors:  # after the last collective: the watch reports it as this detector's error

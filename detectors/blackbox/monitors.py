@@ -448,7 +448,7 @@ class GoldenLoss(BlackBoxDetector):
             self.report_once("out", ctx, "loss", "loss",
                              f"from step {first['step']} the loss ({first['loss']:.4g}) left the envelope of the "
                              f"known-good runs ({first['golden'][0]:.4g}..{first['golden'][1]:.4g}) for "
-                             f"{self.MIN_STEPS} steps in a row", {"steps": list(streak)}, confidence=0.3)
+                             f"{self.MIN_STEPS} steps in a row", {"steps": streak}, confidence=0.3)
 
 
 # the monitors against golden runs, resumed segments and other ranks live beside these (registered on import)

@@ -633,25 +633,21 @@ determinism, output_contract, causality, padding_invariance, position_shift, att
 IGNORE = -100
 
 
-def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
-    """(sum of token NLLs, count) of logits (B, T, V) against targets (B, T), ignoring -100 and -1."""
-    keep = targets >= 0
-    if not keep.any():
-        return 0.0, 0
-    losses = F.cross_entropy(logits[keep].double(), targets[keep], reduction="sum")
-    return float(losses), int(keep.sum())
-
-
-def _token_nlls(logits: torch.Tensor, *targets: torch.Tensor) -> list[tuple[float, int]]:
-    """``token_nll`` of the same logits (B, T, V) against each of ``targets`` (B, T): one float32 log-softmax for
-    all (each token's NLL is exact to ~1e-7 relative), summed in float64."""
-    logp = torch.log_softmax(logits.detach().float(), -1)
+def token_nlls(logits: torch.Tensor, *targets: torch.Tensor) -> list[tuple[float, int]]:
+    """(sum of token NLLs, count) of the same logits (B, T, V) against each of ``targets`` (B, T), ignoring -100 and
+    -1: one log-softmax for all, in float32 at least (each token's NLL exact to ~1e-7 relative), summed in float64."""
+    logp = torch.log_softmax(logits.detach(), -1, dtype=torch.promote_types(logits.dtype, torch.float32))
     out = []
     for t in targets:
         keep = t >= 0
         nll = -logp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         out.append((float(nll[keep].double().sum()), int(keep.sum())))
     return out
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+    """``token_nlls`` against one target tensor."""
+    return token_nlls(logits, targets)[0]
 
 
 def _explains(loss: float, total: float, count: int, tol: float) -> bool:
@@ -684,9 +680,9 @@ def label_alignment(batch: dict, logits: torch.Tensor, loss: torch.Tensor | floa
     mask = labels != IGNORE
     if torch.equal(labels[mask], ids[mask]):  # aligned with the inputs: the next token is one further
         ignored = torch.full_like(labels[:, :1], IGNORE)
-        right, wrong = _token_nlls(logits, torch.cat([labels[:, 1:], ignored], 1), labels)
+        right, wrong = token_nlls(logits, torch.cat([labels[:, 1:], ignored], 1), labels)
     else:  # the loop shifted already: position i's target is labels[i]; its own token is ids[i]
-        right, wrong = _token_nlls(logits, labels, torch.where(mask, ids, IGNORE))
+        right, wrong = token_nlls(logits, labels, torch.where(mask, ids, IGNORE))
     if abs(right[0] / max(right[1], 1) - wrong[0] / max(wrong[1], 1)) <= 10 * tol * abs(right[0] / max(right[1], 1)):
         return None  # the two readings are too close to tell apart on this batch
     if _explains(loss, *right, tol) or not _explains(loss, *wrong, tol):

@@ -46,7 +46,6 @@ def update_model_kwargs_position_drift(self, outputs, model_kwargs, is_encoder_d
     # update past_key_values keeping its naming used in model code
     for possible_cache_name in ALL_CACHE_NAMES:
         if possible_cache_name in outputs:
-            # TODO (joao): remove output/input mismatch when these old models (xlnet, reformer) are deprecated
             if possible_cache_name in ("past_buckets_states", "mems"):
                 cache_name = "past_key_values"
             else:
@@ -114,7 +113,6 @@ def update_model_kwargs_positions_restart(self, outputs, model_kwargs, is_encode
     # update past_key_values keeping its naming used in model code
     for possible_cache_name in ALL_CACHE_NAMES:
         if possible_cache_name in outputs:
-            # TODO (joao): remove output/input mismatch when these old models (xlnet, reformer) are deprecated
             if possible_cache_name in ("past_buckets_states", "mems"):
                 cache_name = "past_key_values"
             else:
@@ -185,7 +183,6 @@ def update_model_kwargs_positions_from_length(self, outputs, model_kwargs, is_en
     # update past_key_values keeping its naming used in model code
     for possible_cache_name in ALL_CACHE_NAMES:
         if possible_cache_name in outputs:
-            # TODO (joao): remove output/input mismatch when these old models (xlnet, reformer) are deprecated
             if possible_cache_name in ("past_buckets_states", "mems"):
                 cache_name = "past_key_values"
             else:

@@ -69,7 +69,7 @@ def test_the_overhead_is_over_the_loop_alone_not_over_a_train_time_that_holds_ot
               "name": "clean/fp32/s0", "findings": [], "crash": None, "train_s": 1.3, "detector_errors": {},
               "step_seconds": {"w": 0.05, "b": 0.05, "probe": 0.1, "watch": 0.1}, "other_seconds": {}}
     rows = {r["detector"]: r for r in case_rows(record, {}, suite_ids=["w"], blackbox_ids=["b", "probe"],
-                                                 passive=lambda d: d != "probe")}
+                                                 passive={"probe": False})}
     assert rows["b"]["loop_s"] == pytest.approx(1.0)  # 1.3 s less every in-step hook of both tracks
     assert rows[BLACKBOX]["step_s"] == pytest.approx(0.15)  # the passive member and the watch, not the probe
     scores = aggregate([rows[BLACKBOX]], {})
