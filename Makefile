@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch is installed first and pinned for every later install, so pip can never swap in another build.
 TORCH  := torch==2.13.0
 
-.PHONY: setup test bench bench-quick bench-peers perf faults-report mutation lint clean
+.PHONY: setup test bench bench-quick bench-mutants mutants bench-peers perf faults-report mutation lint clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,15 @@ bench: setup
 
 bench-quick: setup
 	$(PY) -m faultbench bench --quick --target all --out results/quick
+
+# The admitted mutant set (faults/mutants/mutants-v1.json), one seed, scored as its own set: results/mutants/
+# (by_operator.md per operator and subsystem) and results/sets.md (registry, unseen and mutants side by side).
+bench-mutants: setup
+	$(PY) -m faultbench bench --mutants
+
+# Re-admit the mutant set from the seams as they stand (about 30 minutes on 2 cores); prints each operator's admit rate.
+mutants: setup
+	$(PY) -m faultbench mutate --admit --force
 
 # Peer tools, each in a venv of its own so the core install stays lean (torch pinned in each):
 # TrainCheck and torcheck (torcheck declares an old torch: installed without its dependencies), and

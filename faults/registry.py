@@ -11,6 +11,7 @@ import builtins
 import dataclasses
 import difflib
 import dis
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -119,6 +120,12 @@ def _spliced_code(seam: str, fn: Callable) -> types.CodeType:
     return next(c for c in _code_tree(code) if c.co_name == fn.__name__)
 
 
+@functools.lru_cache(maxsize=512)
+def _global_loads(code: types.CodeType) -> frozenset[str]:
+    """The global names ``code`` (and the code nested in it) loads."""
+    return frozenset(i.argval for c in _code_tree(code) for i in dis.get_instructions(c) if i.opname == "LOAD_GLOBAL")
+
+
 def _check_function(seam: str, fn: Callable) -> None:
     """Same signature as the seam, a docstring, globals the seam's module (or the builtins) defines, and the
     seam's closure variables: the body runs spliced into the seam's module, under the seam's header."""
@@ -140,8 +147,7 @@ def _check_function(seam: str, fn: Callable) -> None:
             names.get(i.opname, set()).add(i.argval)
     # a name the seam's own code loads is as defined for the copy as for the original (e.g. transformers' ``xm``,
     # imported only where torch_xla is installed and used only behind that check)
-    seam_loads = {i.argval for c in _code_tree(target.__code__) for i in dis.get_instructions(c)
-                  if i.opname == "LOAD_GLOBAL"}
+    seam_loads = _global_loads(target.__code__)
     unknown = sorted(n for n in names["LOAD_GLOBAL"] - names["STORE_GLOBAL"] - seam_loads
                      if n not in seam_globals and not hasattr(builtins, n))
     local_only = [n for n in unknown if n in fn.__globals__]

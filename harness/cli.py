@@ -322,7 +322,16 @@ def _bench(args) -> int:
     from faultbench.harness.bench import BenchConfig, run_bench
     from faultbench.harness.report import print_table
 
-    seeds = tuple(range(args.seeds or (1 if args.quick else 3)))
+    seeds = tuple(range(args.seeds or (1 if args.quick or args.mutants else 3)))
+    if args.mutants:  # the admitted mutant set, scored as its own set (results/mutants/ unless --out says)
+        from faultbench.harness.mutants import ADMITTED_PLUGIN
+
+        args.plugin = [*(args.plugin or ()), ADMITTED_PLUGIN]
+        args.only_plugin_faults = True
+        args.out = args.out or "results/mutants"
+    if args.out == "":
+        raise ValueError("--out '' names no folder")
+    args.out = args.out or "results"
     for flag, folder in (("--out", args.out), ("--bundles", args.bundles)):
         if folder and Path(folder).exists() and not Path(folder).is_dir():
             raise ValueError(f"{flag} {folder} is a file, not a folder")
@@ -345,11 +354,76 @@ def _bench(args) -> int:
     summary = run_bench(cfg)
     timings = json.loads((Path(args.out) / "timings.json").read_text())
     print_table(summary, all_detectors(), timings, file=sys.stderr if args.json else sys.stdout)
+    _mutant_reports(args)
     print(f"results written to {args.out}/ (scores: bench.csv, summary.json, leaderboard.md, heatmap.png; "
           "timings: timings.csv, timings.json)", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(summary))
     return 0
+
+
+def _contracts(args) -> int:
+    from faultbench.detectors import contracts
+
+    if args.json:
+        print(json.dumps(contracts.as_json(), indent=2))
+        return 0
+    print(contracts.markdown(), end="")
+    return 0
+
+
+def _mutate(args) -> int:
+    from pathlib import Path
+
+    from faultbench.harness import mutants
+
+    out = Path(args.out) if args.out else None
+    if args.admit:
+        path = out or mutants.admitted_path()
+        if path.exists() and not args.force:
+            raise ValueError(f"{path} exists: pass --force to replace it, or --out another file")
+        if not path.parent.is_dir():
+            raise ValueError(f"--out {path}: its folder {path.parent} does not exist")
+        doc = mutants.admit(args.target, per_cell=args.per_cell, jobs=args.jobs, limit=args.sample,
+                            progress=not args.json)
+        mutants.write(doc, path)
+        print(f"{len(doc['mutants'])} mutants admitted in {doc['wall_s']:.0f}s: written to {path}",
+              file=sys.stderr if args.json else sys.stdout)
+    doc = mutants.read(out)
+    table = mutants.admission_table(doc, args.target)
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return 0
+    print(mutants.admission_markdown(table, doc))
+    return 0
+
+
+def _mutant_reports(args) -> None:
+    """After a bench of plugin faults alone: their scores beside the registry's (results/summary.json), with the
+    ratio, printed and written to generalization.md; after ``bench --mutants``: the mutant set's scores per operator
+    and subsystem (by_operator.md); after a bench into results/ or results/mutants/, results/sets.md again."""
+    from pathlib import Path
+
+    from faultbench.harness import sets
+    from faultbench.harness.atomic import write_text
+
+    out = Path(args.out)
+    registry = sets.summary_of(Path("results") / "summary.json")
+    if args.only_plugin_faults and registry is not None and out.resolve() != Path("results").resolve():
+        lines = sets.generalization_lines(sets.generalization(sets.summary_of(out / "summary.json"), registry))
+        write_text(out / "generalization.md", "\n".join(["# The plugin's faults beside the registry's", "",
+                                                          *lines]) + "\n")
+        print("\n".join(["beside the registry (results/summary.json):", *lines]),
+              file=sys.stderr if args.json else sys.stdout)
+    if args.mutants:
+        from faultbench.harness.mutants import read
+
+        doc = read()
+        rows = sets.breakdown(sets.read_rows(out / "bench.csv"), {m["id"]: m for m in doc["mutants"]})
+        write_text(out / "by_operator.md", sets.breakdown_markdown(rows, doc["version"]))
+    results = Path("results").resolve()
+    if out.resolve() in (results, results / "mutants"):
+        sets.write_sets(results)
 
 
 def _practice(args) -> int:
@@ -492,12 +566,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--fault", action="append", help="only this fault (repeatable)")
     bench.add_argument("--detectors", nargs="+", metavar="ID", help="detector ids, 'all' (default), 'suite'")
     bench.add_argument("--jobs", type=_positive_int, default=2, help="cases run in parallel (default 2)")
-    bench.add_argument("--out", default="results", help="output folder (default results/)")
+    bench.add_argument("--mutants", action="store_true",
+                       help="score the admitted mutant set (faults/mutants/mutants-v1.json) instead of the registry: "
+                            "one seed unless --seeds says otherwise, written to results/mutants/ unless --out says")
+    bench.add_argument("--out", help="output folder (default results/)")
     bench.add_argument("--no-cache", action="store_true", help="recompute every case")
     bench.add_argument("--bundles", metavar="DIR",
                        help="write a repro bundle for every case where a detector fires (runs every case anew)")
     bench.add_argument("--json", action="store_true", help="table on stderr; last stdout line is summary.json")
     bench.set_defaults(func=_bench)
+
+    con = sub.add_parser("contracts", help="the contract catalogue: what every correct causal-LM run keeps, per "
+                                           "component and kind, with the detectors that check each and the coverage")
+    con.add_argument("--json", action="store_true",
+                     help="a list of {id, component, kind, statement, source, tracks, detectors, uncheckable}")
+    con.set_defaults(func=_contracts)
+
+    mutate = sub.add_parser("mutate", help="the mutant set: machine-made faults over every seam, admitted by the "
+                                           "bench's evidence; prints each operator's admit rate")
+    mutate.add_argument("--target", type=_targets_or_all, default="all", metavar="ref|hf|all")
+    mutate.add_argument("--admit", action="store_true",
+                        help="generate, run and admit the set (about 30 minutes on 2 cores), then write it")
+    mutate.add_argument("--per-cell", type=_positive_int, default=4,
+                        help="candidates run per (seam, operator), spread over its sites (default 4)")
+    mutate.add_argument("--sample", type=_positive_int, help="with --admit: only the first N candidates per target")
+    mutate.add_argument("--jobs", type=_positive_int, default=2, help="cases run in parallel (default 2)")
+    mutate.add_argument("--out", help="the admitted set's file (default faults/mutants/mutants-v1.json)")
+    mutate.add_argument("--force", action="store_true", help="with --admit: replace an existing file")
+    mutate.add_argument("--json", action="store_true", help="the admission table as JSON")
+    mutate.set_defaults(func=_mutate)
 
     practice = sub.add_parser("practice", help="practice and interview mode: exercises with one hidden fault")
     practice_sub = practice.add_subparsers(dest="practice_command", required=True)
@@ -542,3 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad configs and checkpoints: a clear message, not a traceback
         print(f"faultbench: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader (head, less) closed the pipe: stop quietly, as a pipeline expects
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
