@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch is installed first and pinned for every later install, so pip can never swap in another build.
 TORCH  := torch==2.13.0
 
-.PHONY: setup test bench bench-quick bench-mutants mutants bench-peers perf faults-report mutation lint clean
+.PHONY: setup test bench bench-quick bench-mutants bench-blind mutants bench-peers perf faults-report mutation lint clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,13 @@ bench-quick: setup
 # (by_operator.md per operator and subsystem) and results/sets.md (registry, unseen and mutants side by side).
 bench-mutants: setup
 	$(PY) -m faultbench bench --mutants
+
+# The blind set (benchmarks/blind/, written by someone who never read the detectors), 3 seeds: scored into .cache/
+# and published as aggregates only (results/blind/summary.json), so detector authors never learn which faults
+# were missed.
+bench-blind: setup
+	$(PY) -m faultbench bench --target all --plugin benchmarks/blind/blind_faults.py --only-plugin-faults --out .cache/blind
+	$(PY) -m faultbench.harness.sets .cache/blind/summary.json results/blind/summary.json
 
 # Re-admit the mutant set from the seams as they stand (about 30 minutes on 2 cores); prints each operator's admit rate.
 mutants: setup

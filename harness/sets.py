@@ -1,7 +1,7 @@
 """The fault sets side by side: the registry, the unseen set and the mutant set, per target and track.
 
 Each set is scored by its own bench run into its own folder (``make bench`` -> results/, the unseen plugin ->
-results/unseen/, ``bench --mutants`` -> results/mutants/); this reads their summary.json files and the bench
+results/unseen/, the blind plugin (benchmarks/blind/) -> results/blind/, ``bench --mutants`` -> results/mutants/); this reads their summary.json files and the bench
 rows of the mutant set, and renders one table (results/sets.md, and a section of the leaderboard) plus the
 mutant set's scores per operator and per subsystem (results/mutants/by_operator.md).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from faultbench.harness.score import BLACKBOX, SUITE
 
-SETS = (("registry", "."), ("unseen", "unseen"), ("mutants", "mutants"))  # name, folder under results/
+SETS = (("registry", "."), ("unseen", "unseen"), ("blind", "blind"), ("mutants", "mutants"))  # name, folder under results/
 METRICS = (("detection_rate", "detection"), ("top1_subsystem", "top-1 subsystem"), ("top1_seam", "top-1 seam"),
            ("false_positive_rate", "FP"))
 TRACKS = (("white-box", "suite"), ("black-box", "blackbox"))
@@ -89,7 +89,8 @@ def write_sets(results: Path) -> Path:
 
     lines = ["# The fault sets side by side", "",
              "Each set scored by its own bench run: the registry (`make bench`, results/), the unseen plugin "
-             "(examples/unseen_faults.py, results/unseen/) and the admitted mutant set (`make bench-mutants`, "
+             "(examples/unseen_faults.py, results/unseen/), the blind set (benchmarks/blind/, written by someone who "
+             "never read the detectors, results/blind/) and the admitted mutant set (`make bench-mutants`, "
              "results/mutants/). Detection and Top-1 are means over the cases where the fault showed; FP over each "
              "run's clean matrix.", "", *sets_markdown(sets_rows(results))]
     return write_text(results / "sets.md", "\n".join(lines) + "\n")
@@ -136,3 +137,21 @@ def breakdown_markdown(rows: list[dict], version: str) -> str:
                 for r in rows if r["by"] == by]
         out.append("")
     return "\n".join(out)
+
+
+def aggregates_only(summary: dict) -> dict:
+    """A summary without its per-fault and per-detector parts: what a blind set's authors may publish, so that
+    detector authors learn how the set scored, never which of its faults were missed."""
+    keep = ("suite", "blackbox", "faults", "cases", "crashed_cases", "hung_cases")
+    return {"cases": summary["cases"], "faults": summary["faults"], "seeds": summary["seeds"],
+            "goals": summary.get("goals"),
+            "targets": {t: {k: v[k] for k in keep if k in v} for t, v in summary["targets"].items()}}
+
+
+if __name__ == "__main__":  # python -m faultbench.harness.sets SRC DST: DST = SRC's summary, aggregates only
+    import sys
+
+    from faultbench.harness.atomic import write_text
+
+    source, dest = map(Path, sys.argv[1:3])
+    write_text(dest, json.dumps(aggregates_only(json.loads(source.read_text())), indent=2) + "\n")

@@ -61,3 +61,14 @@ def test_a_plugins_scores_are_set_beside_the_registrys_with_the_ratio():
     assert by["white-box", "FP"]["ratio"] is None  # a rate of zero has no meaningful ratio
     assert "| ref | white-box | detection | 0.600 | 0.800 | 0.750 |" in generalization_lines(rows)
     assert generalization(_summary(0.6, 16), {"targets": {}}) == []  # nothing to compare with
+
+
+def test_a_blind_sets_published_summary_holds_aggregates_only():
+    from faultbench.harness.sets import aggregates_only
+
+    full = {**_summary(0.5, 17), "cases": 150, "faults": 17}
+    full["targets"]["ref"]["per_fault"] = {"blind_x": {"detected": 0}}
+    full["targets"]["ref"]["detectors"] = {"bb_eval_loss": {}}
+    published = aggregates_only(full)
+    assert "blind_x" not in json.dumps(published) and "bb_eval_loss" not in json.dumps(published)
+    assert published["targets"]["ref"]["suite"] == full["targets"]["ref"]["suite"]
