@@ -115,7 +115,9 @@ def optimizer_step_no_update(optimizer, scaler, scheduler) -> bool:
     "dtype. Without subtracting the row maximum, exp overflows to inf as soon as an attention score "
     "exceeds ~11.1 in fp16 (88.7 in fp32, so fp32 runs of the same code look fine), and inf / inf is NaN: "
     "the loss is NaN from the first batch whose attention logits are that large (large-magnitude "
-    "queries/keys: a larger init, or the attention-logit growth of high-LR training).",
+    "queries/keys: a larger init, or the attention-logit growth of high-LR training). That is CPU autocast, "
+    "which keeps exp in fp16; CUDA autocast runs exp in fp32, so on a GPU this code overflows only as fp32 does "
+    "(no NaN on an H100 with the same manifest: results/gpu/).",
     fix="Use a stable softmax (torch.softmax subtracts the max) in fp32 (scores.float().softmax(-1)."
     "to(v.dtype)), or keep SDPA.",
     references=(

@@ -136,8 +136,9 @@ def _coverage_line() -> str:
     from faultbench.detectors.contracts import coverage
 
     c = coverage()
+    white, black = (c["per_track"][t]["checked"] for t in ("white-box", "black-box"))
     return (f"Contract coverage: {c['checked']} of {c['contracts']} catalogue contracts are checked by a detector "
-            f"(white-box {c['per_track']['white-box']['checked']}, black-box {c['per_track']['black-box']['checked']}); "
+            f"(white-box {white}, black-box {black}); "
             "`faultbench contracts` prints the grid (detectors/CONTRACTS.md).")
 
 
@@ -149,7 +150,8 @@ def _sets_section(out: Path, summary: dict) -> list[str]:
     if len({r["set"] for r in rows}) < 2:
         return []
     return ["", "## Fault sets side by side", "",
-            "The registry (this run), the unseen plugin (unseen/) and the admitted mutant set (mutants/), each scored "
+            "The registry (this run), the unseen plugin (unseen/), the blind set (blind/) and the admitted mutant set "
+            "(mutants/), each scored "
             "by its own bench run; the mutant set's per-operator scores are in mutants/by_operator.md.", "",
             *sets_markdown(rows)]
 

@@ -219,7 +219,7 @@ class SwapArgs(Operator):
             if not isinstance(node, ast.Call):
                 continue
             args = node.args
-            for a, b in zip(args, args[1:]):
+            for a, b in zip(args, args[1:], strict=False):  # neighbours
                 same_kind = type(a) is type(b) and isinstance(a, (ast.Name, ast.Attribute, ast.Subscript))
                 if same_kind and ast.dump(a) != ast.dump(b):
                     yield Site((source.replace(a, source.text(b)), source.replace(b, source.text(a))),
@@ -420,7 +420,7 @@ class MoveStatement(Operator):
 
     def sites(self, fn, source):
         for block in blocks(fn):
-            for a, b in zip(block, block[1:]):
+            for a, b in zip(block, block[1:], strict=False):  # neighbours
                 if isinstance(a, _SIMPLE) and isinstance(b, _SIMPLE) and ast.dump(a) != ast.dump(b):
                     lines_a = source.lines[a.lineno - 1 : a.end_lineno]
                     lines_b = source.lines[b.lineno - 1 : b.end_lineno]

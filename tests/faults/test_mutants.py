@@ -107,8 +107,8 @@ def test_admission_readmits_a_sample_and_rejects_the_equivalent_and_the_duplicat
     equivalent = next(i for i, r in rejected.items() if r["recipe"] == "fp32" and r["seeds_shown"] == [])
     admitted = [of, *[i for i in fp32 if i != of][:2]]
     generated = by_id("ref")
-    chosen = sorted((generated[i] for i in [*admitted, equivalent, duplicate]),
-                    key=list(generated).index)  # candidate order: the first of a duplicate pair is kept
+    order = {i: n for n, i in enumerate(generated)}  # candidate order: the first of a duplicate pair is kept
+    chosen = [generated[i] for i in sorted({*admitted, equivalent, duplicate}, key=order.__getitem__)]
     register([(c, {"manifest": mutants.manifest_for("ref", "fp32")}) for c in chosen])
     stats, why = {op: Counter() for op in OPERATORS}, {}
     out = mutants._show_and_dedup("ref", chosen, {c.id: "fp32" for c in chosen}, 2, 120.0, stats, False, why)
