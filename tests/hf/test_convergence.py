@@ -2,8 +2,9 @@
 
 The floor (Bayes-optimal nats per predicted token of the val documents) is the reference's, since the
 HF pipeline yields the reference's token ids (test_padding). The training result is cached under
-``.cache/hf-convergence/`` by a digest of the target's and the reference's sources and the installed
-transformers/accelerate/torch versions, so it is paid once per change.
+``.cache/hf-convergence/`` by a digest of the target's and the reference's sources, harness/case.py (the recipes'
+corpus helpers), this file (its steps, warmup and evaluation) and the installed transformers/accelerate/torch
+versions, so it is paid once per change and never read stale.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def val_loss(run) -> float:
 
 
 def train_result(tmp_path) -> dict:
-    key = "|".join((source_digest("targets", "model"), transformers.__version__, accelerate.__version__,
-                    torch.__version__, str(STEPS)))
+    # the target's and the reference's sources, the recipes' helpers (harness/case.py) and this file's own settings
+    sources = source_digest("targets", "model", "harness/case.py", "tests/hf/test_convergence.py")
+    key = "|".join((sources, transformers.__version__, accelerate.__version__, torch.__version__))
     path = ROOT / ".cache" / "hf-convergence" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
         return json.loads(path.read_text())
