@@ -292,6 +292,29 @@ def read_cached(path: Path, case: Case) -> dict | None:
     return None
 
 
+# failures of the machinery, not outcomes of the case: never cached, so a re-run runs the case again
+NOT_OUTCOMES = ("WorkerDied", "HarnessError", "RankFailure")
+
+
+def cached_or_todo(cases: list[Case], digest: str, use_cache: bool = True) -> tuple[dict[Case, dict], list[Case]]:
+    """The cached record of each case that has one, and the cases left to run."""
+    records, todo = {}, []
+    for case in cases:
+        cached = read_cached(CACHE / f"{case_hash(case, digest)}.json", case) if use_cache else None
+        if cached is not None:
+            records[case] = cached
+        else:
+            todo.append(case)
+    return records, todo
+
+
+def keep(case: Case, record: dict, digest: str) -> None:
+    """Name ``record`` after its case and cache it, unless it is a hang or a failure of the machinery."""
+    record["name"] = case.name
+    if not record.get("hang") and (record["crash"] or {}).get("type") not in NOT_OUTCOMES:
+        write_text(CACHE / f"{case_hash(case, digest)}.json", json.dumps(record))
+
+
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the matrix (cached cases reused), score it, write results/, return summary.json's object."""
     from faultbench.harness.golden import load_golden
@@ -303,24 +326,14 @@ def run_bench(cfg: BenchConfig) -> dict:
     if not cases:  # before anything is run or written: an empty bench must not replace existing results
         raise ValueError("the bench matrix is empty (no fault and no clean case to run): nothing written")
     digest = code_digest(cfg.plugins)
-    records: dict[Case, dict] = {}
-    todo = []
-    for case in cases:
-        cached = read_cached(CACHE / f"{case_hash(case, digest)}.json", case) \
-            if cfg.use_cache and cfg.bundles is None else None
-        if cached is not None:
-            records[case] = cached
-        else:
-            todo.append(case)
+    records, todo = cached_or_todo(cases, digest, cfg.use_cache and cfg.bundles is None)
     progress = Progress(len(cases), cfg.progress)
     for case in records:
         progress.update(f"cached {case.name}")
 
     def done(case: Case, record: dict) -> None:
-        record["name"] = case.name
+        keep(case, record, digest)
         records[case] = record
-        if not record.get("hang") and (record["crash"] or {}).get("type") not in ("WorkerDied", "HarnessError"):
-            write_text(CACHE / f"{case_hash(case, digest)}.json", json.dumps(record))
         progress.update(case.name)
 
     ranked = [c for c in todo if c.world_size > 1]
@@ -388,6 +401,7 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
                     cached: int = 0) -> dict:
     """Score every target apart (summary.json's "targets"), write the results, return the summary."""
     from faultbench.harness.report import write_results
+    from faultbench.harness.sets import sets_section
 
     registry = all_detectors()
     passive = {d: cls.passive for d, cls in registry.items()}  # detector id -> its step hooks count in overhead
@@ -403,5 +417,5 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
     summary = {"cases": len(records), "faults": len(faults), "seeds": list(cfg.seeds),
                "goals": {track: {k: list(v) for k, v in goals.items()} for track, goals in GOALS.items()},
                "targets": per_target}
-    write_results(cfg.out, rows, summary, timings, faults, registry)
+    write_results(cfg.out, rows, summary, timings, faults, registry, sets_section(Path(cfg.out), summary))
     return summary

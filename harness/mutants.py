@@ -36,7 +36,7 @@ from faultbench.faults.mutants import VERSION, admitted_path
 from faultbench.faults.mutants.generate import Candidate, candidates, register
 from faultbench.faults.registry import _code_tree, load_plugin, seam_table
 from faultbench.harness.atomic import write_text
-from faultbench.harness.case import Case, behaviour, case_hash, recipe_for
+from faultbench.harness.case import Case, behaviour
 from faultbench.model.seams import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,14 +80,8 @@ def traced(target: str, fn, *args) -> tuple[object, list[tuple[str, int]]]:
     return result, sorted(hits)
 
 
-def _run_traced(case_dict: dict) -> tuple[dict, list]:
-    from faultbench.harness.case import case_from_dict, run_target_case
-
-    case = case_from_dict(case_dict)
-    return traced(case.target, run_target_case, case)
-
-
-def _rank_traced(rank: int, case_dict: dict, workdir: str):
+def _traced_case(rank: int, case_dict: dict, workdir: str | None = None) -> tuple[dict, list]:
+    """The case on this process (or rank, a ``RankPool`` entry) under ``traced``: (record, seam lines run)."""
     from faultbench.harness.case import case_from_dict, run_target_case
 
     case = case_from_dict(case_dict)
@@ -98,7 +92,7 @@ def _child_traced(case_dict: dict, conn) -> None:
     import torch
 
     torch.set_num_threads(1)
-    conn.send(_run_traced(case_dict))
+    conn.send(_traced_case(0, case_dict))
     conn.close()
 
 
@@ -124,7 +118,7 @@ def reach(target: str, pool=None) -> dict[str, set[tuple[str, int]]]:
             proc.join()
         else:
             with tempfile.TemporaryDirectory(prefix="faultbench-reach-") as workdir:
-                hits = [h for _, rank_hits in pool.run(_rank_traced, case.to_dict(), workdir, timeout_s=600)
+                hits = [h for _, rank_hits in pool.run(_traced_case, case.to_dict(), workdir, timeout_s=600)
                         for h in rank_hits]
         out[name] = {tuple(h) for h in hits}
     write_text(path, json.dumps({r: sorted(h) for r, h in out.items()}))
@@ -175,26 +169,17 @@ def sample(cands: list[Candidate], per_cell: int) -> list[Candidate]:
 
 def run_records(cases: list[Case], jobs: int, timeout_s: float, progress: bool = True) -> dict[Case, dict]:
     """Every case's record, from the bench cache where it is there (the same cache and keys as ``bench``)."""
-    from faultbench.harness.bench import CACHE, ForkRunner, Progress, _warm_up, code_digest, preload, read_cached
+    from faultbench.harness.bench import ForkRunner, Progress, _warm_up, cached_or_todo, code_digest, keep, preload
     from faultbench.harness.case import execute
     from faultbench.harness.launch import RankPool
 
     digest = code_digest(tuple(dict.fromkeys(p for c in cases for p in c.plugins)))
-    records, todo = {}, []
-    for case in cases:
-        cached = read_cached(CACHE / f"{case_hash(case, digest)}.json", case)
-        if cached is not None:
-            records[case] = cached
-        else:
-            todo.append(case)
+    records, todo = cached_or_todo(cases, digest)
     bar = Progress(len(todo), progress)
 
     def done(case: Case, record: dict) -> None:
-        record["name"] = case.name
+        keep(case, record, digest)
         records[case] = record
-        if not record.get("hang") and (record["crash"] or {}).get("type") not in ("WorkerDied", "HarnessError",
-                                                                                  "RankFailure"):
-            write_text(CACHE / f"{case_hash(case, digest)}.json", json.dumps(record))
         bar.update(case.name)
 
     _warm_up(todo)  # every forked case starts with its stack imported and its corpus built
@@ -273,7 +258,7 @@ def admit(targets_: tuple[str, ...], per_cell: int = PER_CELL, jobs: int = 2, ti
             doc["mutants"].append({
                 "id": c.id, "target": target, "seam": c.seam, "subsystem": c.subsystem, "operator": c.operator,
                 "label": c.label, "lines": list(c.lines), "recipe": homes[c.id],
-                **{k: v for k, v in meta[c.id].items()}, "symptoms": list(sym), "seeds_shown": differing,
+                **meta[c.id], "symptoms": list(sym), "seeds_shown": differing,
                 "digest": hashlib.sha256(c.function.encode()).hexdigest()[:16], "diff": c.diff})
         doc["targets"][target] = {"candidates": len(cands), "operators": {op: dict(s) for op, s in stats.items()},
                                   "admitted": len(admitted), "refused": refused, "rejected": rejected}
@@ -285,14 +270,6 @@ def _metadata(target: str, recipe: str) -> dict:
     manifest = manifest_for(target, recipe)
     return {"manifest": manifest, "trigger": TRIGGERS[manifest["scenario"]] if recipe not in ("fp16", "bf16")
             else "amp-only"}
-
-
-def check_homes(target: str) -> list[str]:
-    """Recipes whose manifest the matcher would put elsewhere (empty: ``manifest_for`` is right for all)."""
-    from faultbench.faults.registry import Manifest
-
-    return [name for name in targets.get(target).recipes()
-            if recipe_for(Manifest(check="bench_behaviour", **manifest_for(target, name)), target) != name]
 
 
 def _show_and_dedup(target, chosen, homes, jobs, timeout_s, stats, progress, rejected):

@@ -142,20 +142,6 @@ def _coverage_line() -> str:
             "`faultbench contracts` prints the grid (detectors/CONTRACTS.md).")
 
 
-def _sets_section(out: Path, summary: dict) -> list[str]:
-    """The fault sets side by side, where ``out`` holds other sets' results beside this one's (results/)."""
-    from faultbench.harness.sets import sets_markdown, sets_rows
-
-    rows = sets_rows(out, registry=summary)
-    if len({r["set"] for r in rows}) < 2:
-        return []
-    return ["", "## Fault sets side by side", "",
-            "The registry (this run), the unseen plugin (unseen/), the blind set (blind/) and the admitted mutant set "
-            "(mutants/), each scored "
-            "by its own bench run; the mutant set's per-operator scores are in mutants/by_operator.md.", "",
-            *sets_markdown(rows)]
-
-
 def leaderboard(summary: dict, faults: dict[str, dict], registry, extra: list[str] = ()) -> str:
     n_seeds = len(summary["seeds"])
     counts = "; ".join(f"{t}: {s['cases']} cases ({s['faults']} faults, {s['crashed_cases']} crashed, "
@@ -266,15 +252,15 @@ def heatmap(rows: list[dict], faults: dict[str, dict]) -> bytes:
 
 
 def write_results(out: Path, rows: list[dict], summary: dict, timings: dict, faults: dict[str, dict],
-                  registry) -> None:
+                  registry, extra: list[str] = ()) -> None:
     """Every output rendered first, then each file replaced atomically: a failure while rendering leaves the
-    previous results whole."""
+    previous results whole. ``extra``: lines the leaderboard ends its overview with."""
     if not rows:
         raise ValueError(f"the bench produced no case: nothing written, {out}/ left as it was")
     files = {"bench.csv": csv_text(rows).encode(), "timings.csv": csv_text(rows, TIMING_COLUMNS).encode(),
              "summary.json": (json.dumps(summary, indent=2) + "\n").encode(),
              "timings.json": (json.dumps(timings, indent=2) + "\n").encode(),
-             "leaderboard.md": leaderboard(summary, faults, registry, _sets_section(Path(out), summary)).encode(),
+             "leaderboard.md": leaderboard(summary, faults, registry, extra).encode(),
              "heatmap.png": heatmap(rows, faults)}
     for name, data in files.items():
         write_bytes(Path(out) / name, data)

@@ -1,9 +1,10 @@
-"""The fault sets side by side: the registry, the unseen set and the mutant set, per target and track.
+"""The fault sets side by side: the registry, the unseen, blind and mutant sets, per target and track.
 
 Each set is scored by its own bench run into its own folder (``make bench`` -> results/, the unseen plugin ->
-results/unseen/, the blind plugin (benchmarks/blind/) -> results/blind/, ``bench --mutants`` -> results/mutants/); this reads their summary.json files and the bench
-rows of the mutant set, and renders one table (results/sets.md, and a section of the leaderboard) plus the
-mutant set's scores per operator and per subsystem (results/mutants/by_operator.md).
+results/unseen/, the blind plugin (benchmarks/blind/) -> results/blind/, ``bench --mutants`` ->
+results/mutants/); this reads their summary.json files and the bench rows of the mutant set, and renders one
+table (results/sets.md, and a section of the leaderboard) plus the mutant set's scores per operator and per
+subsystem (results/mutants/by_operator.md).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import json
 import statistics
 from pathlib import Path
 
+from faultbench.harness.report import _fmt
 from faultbench.harness.score import BLACKBOX, SUITE
 
-SETS = (("registry", "."), ("unseen", "unseen"), ("blind", "blind"), ("mutants", "mutants"))  # name, folder under results/
+SETS = (("registry", "."), ("unseen", "unseen"), ("blind", "blind"), ("mutants", "mutants"))  # name, results/ folder
 METRICS = (("detection_rate", "detection"), ("top1_subsystem", "top-1 subsystem"), ("top1_seam", "top-1 seam"),
            ("false_positive_rate", "FP"))
 TRACKS = (("white-box", "suite"), ("black-box", "blackbox"))
@@ -43,10 +45,6 @@ def sets_rows(results: Path, registry: dict | None = None) -> list[dict]:
                     rows.append({"set": name, "target": target, "track": track, "faults": scores["faults"],
                                  "seeds": len(summary["seeds"]), **{m: s.get(m) for m, _ in METRICS}})
     return rows
-
-
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 def sets_markdown(rows: list[dict]) -> list[str]:
@@ -82,6 +80,18 @@ def generalization_lines(rows: list[dict]) -> list[str]:
     out += [f"| {r['target']} | {r['track']} | {r['metric']} | {_fmt(r['plugin'])} | {_fmt(r['registry'])} | "
             f"{_fmt(r['ratio'])} |" for r in rows]
     return out
+
+
+def sets_section(out: Path, summary: dict) -> list[str]:
+    """The leaderboard's fault sets side by side, where ``out`` holds other sets' results beside this run's (the
+    registry's ``summary``, not yet written); nothing when it holds none."""
+    rows = sets_rows(out, registry=summary)
+    if len({r["set"] for r in rows}) < 2:
+        return []
+    return ["", "## Fault sets side by side", "",
+            "The registry (this run), the unseen plugin (unseen/), the blind set (blind/) and the admitted mutant set "
+            "(mutants/), each scored by its own bench run; the mutant set's per-operator scores are in "
+            "mutants/by_operator.md.", "", *sets_markdown(rows)]
 
 
 def write_sets(results: Path) -> Path:

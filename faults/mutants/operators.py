@@ -13,6 +13,7 @@ behave unlike every other.
 
 from __future__ import annotations
 
+import abc
 import ast
 import copy
 from collections.abc import Iterator
@@ -135,15 +136,16 @@ def int_value(node: ast.AST) -> int | None:
     return None
 
 
-class Operator:
+class Operator(abc.ABC):
     """A class of bug. ``sites(fn, source)`` yields every place in ``fn`` where it can be written."""
 
     name: str = ""
     title: str = ""  # the class of bug, as a fault title says it
     reference: str = ""  # the real bug or documented pitfall of this class
 
+    @abc.abstractmethod
     def sites(self, fn: ast.FunctionDef, source: Source) -> Iterator[Site]:
-        raise NotImplementedError
+        """Every site of this operator in ``fn``'s body, in source order."""
 
 
 # ---- index, slice and shift ----------------------------------------------------------------------------

@@ -7,19 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from faultbench.detectors import contracts as C
 from faultbench.detectors.api import all_detectors
 from faultbench.faults.registry import all_faults
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENT = ROOT / "detectors" / "CONTRACTS.md"
-
-# Registered non-baseline detectors that implement no catalogue contract: a documented gap (candidates to retire or
-# rework). Each is an xfail(strict=True) below, so mapping or retiring one turns that test red until it leaves
-# this tuple.
-KNOWN_GAPS: tuple[str, ...] = ()
 
 ROWS = ("corpus/tokenizer", "sampler/loader", "collate", "embeddings and positions", "attention and masks",
         "normalization/residual/MLP blocks", "head and tying", "loss", "optimizer and its groups", "LR schedule",
@@ -112,16 +105,9 @@ def _without_contract() -> list[str]:
     return sorted(d for d, cls in _builtin().items() if not cls.baseline and d not in mapped)
 
 
-def test_every_detector_implements_a_catalogue_contract_but_the_documented_gaps():
-    assert set(KNOWN_GAPS) <= set(_builtin()), "a documented gap names no registered detector"
-    assert [d for d in _without_contract() if d not in KNOWN_GAPS] == []
-    assert C.coverage()["detectors_without_contract"] == _without_contract()
-
-
-@pytest.mark.parametrize("detector", KNOWN_GAPS)
-@pytest.mark.xfail(strict=True, reason="documented gap: a detector that implements no catalogue contract")
-def test_a_documented_gap_implements_a_contract(detector):
-    assert detector not in _without_contract()
+def test_every_detector_implements_a_catalogue_contract():
+    assert _without_contract() == []
+    assert C.coverage()["detectors_without_contract"] == []
 
 
 # ------------------------------------------------------------------------------------------- coverage

@@ -3,8 +3,7 @@ operator and subsystem, on hand-made summaries and rows."""
 
 import json
 
-from faultbench.harness.report import _sets_section
-from faultbench.harness.sets import breakdown, breakdown_markdown, read_rows, sets_rows, write_sets
+from faultbench.harness.sets import breakdown, breakdown_markdown, read_rows, sets_rows, sets_section, write_sets
 
 
 def _summary(detection: float, faults: int) -> dict:
@@ -23,10 +22,10 @@ def test_each_set_is_read_from_its_folder_and_the_registry_can_be_the_summary_be
         ("registry", "white-box", 58, 1.0), ("mutants", "white-box", 400, 0.5)]  # a track with no case is left out
     fresher = sets_rows(tmp_path, registry=_summary(0.9, 60))
     assert fresher[0]["detection_rate"] == 0.9
-    section = "\n".join(_sets_section(tmp_path, _summary(0.9, 60)))
+    section = "\n".join(sets_section(tmp_path, _summary(0.9, 60)))
     assert "| ref | white-box | registry | 60 x 1 | 0.900 | 0.450 | 0.250 | 0.000 |" in section
     assert "| ref | white-box | mutants | 400 x 1 | 0.500 |" in section
-    assert _sets_section(tmp_path / "mutants", _summary(0.9, 60)) == []  # one set alone: no section
+    assert sets_section(tmp_path / "mutants", _summary(0.9, 60)) == []  # one set alone: no section
     text = write_sets(tmp_path).read_text()
     assert "| ref | white-box | mutants | 400 x 1 |" in text
 
