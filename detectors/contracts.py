@@ -313,7 +313,7 @@ _CONTRACTS = (
     _c("positions.declared.ids-honoured",
        "position ids passed to the model are the positions it uses (not ignored, not recomputed from 0)",
        "HF LlamaModel.forward docs (position_ids); " + S000 + ": consistent Q/K positions",
-       BOTH),
+       BOTH, ("bb_positions_used",)),
     _c("positions.state.derived-tables",
        "precomputed position tables (rotary cos/sin, sinusoids) equal their definition from the config before "
        "and after a load, in every dtype move",
@@ -864,7 +864,7 @@ _CONTRACTS = (
     _c("eval.state.no-side-effects",
        "evaluation changes no weight, optimizer, scheduler or scaler state",
        S002 + ": diagnostics must not change training; nanoGPT train.py estimate_loss",
-       BOTH),
+       BOTH, ("bb_eval_side_effects",)),
     _c("eval.numerics.not-below-floor",
        "the evaluation loss is finite and not below the data's irreducible entropy (where it is known)",
        S004 + ": suspiciously good metrics point at leakage",
@@ -872,7 +872,7 @@ _CONTRACTS = (
     _c("eval.isolation.no-update",
        "evaluation trains nothing: no backward, no optimizer step, no gradient left behind",
        S003 + ": a model that looks stable in training but fails at evaluation time",
-       BOTH),
+       BOTH, ("bb_eval_side_effects",)),
 
     # ------------------------------------------------------------------------------- generation and the KV cache
     _c("generation.invariance.cached-equals-full",
@@ -935,18 +935,15 @@ BASELINES = ("detect_anomaly", "loss_curve", "crash_triage")  # scored alongside
 # Detectors that check a catalogue contract only in part, or with an assumption a correct loop can break (the
 # audit of issue 22); each still implements the contracts it is mapped to, and is to be reworked into them.
 DETECTOR_CAVEATS: dict[str, str] = {
-    "bb_position_shift": "assumes relative positions unless an nn.Embedding looks them up: flagged a correct model "
-                         "with computed sinusoidal positions",
-    "bb_pad_ids": "hard-codes the ignore label -100 and reads the pad id by attribute name",
-    "bb_lr_shape": "its 'LR rose at every step and still rises' rule is no contract (flagged a long warmup watched "
-                   "briefly); only the reported-vs-used rule is",
     "bb_label_alignment": "fires only when the loss equals each position's own-token NLL: one alternative of "
                           "loss.declared.next-token",
     "bb_clip_scaled": "checks one consequence of unscale-before-clip (stepped norm below 1/sqrt(scale))",
-    "bb_crash_site": "its id-range and length checks are contracts; its subsystem-from-names rule is not",
     "bb_golden_layout": "a golden comparison of a few layout features, not the document format itself",
     "bb_loss_padding": "checks the pad-id class rather than that every real target gets weight",
     "bb_output_contract": "sanity thresholds ('rows are probabilities', 'loss > 2 ln V before training')",
+    "bb_eval_side_effects": "weights count only when changed between two evaluation forwards and kept (checked "
+                            "from a loop's second such evaluation on); a scheduler only when stepped twice or more "
+                            "in one evaluation",
 }
 
 

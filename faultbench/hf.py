@@ -36,10 +36,12 @@ class FaultbenchCallback(TrainerCallback):
         self.on_train_end(args, state, control)  # a train() that raised never ended its watch
         self.close()
         previous = self.previous or self.watch
+        kwargs = dict(self.watch_kwargs)
+        if state.max_steps and state.max_steps > 0:  # the run's planned length, as Trainer computed it
+            kwargs["declare"] = {"total_steps": state.max_steps, **(kwargs.get("declare") or {})}
         self.watch = Watch(model, optimizer, scheduler=lr_scheduler, scaler=getattr(optimizer, "scaler", None),
                            tokenizer=processing_class, rank=args.process_index, world_size=args.world_size,
-                           step=state.global_step, previous=previous if state.global_step else None,
-                           **self.watch_kwargs)
+                           step=state.global_step, previous=previous if state.global_step else None, **kwargs)
         self.watch.__enter__()
 
     def on_train_end(self, args, state, control, **kwargs):

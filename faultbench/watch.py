@@ -50,8 +50,8 @@ from faultbench.detectors.blackbox.batches import (
     document_hashes,
     fingerprint,
     layout_fractions,
-    special_ids,
 )
+from faultbench.detectors.blackbox.conventions import Conventions
 from faultbench.detectors.blackbox.gradients import implied_loss as implied_loss_of
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
@@ -135,10 +135,12 @@ class Watch:
     ``to_json()`` / ``report()``: the same as JSON and as text (printed at exit when ``report=True``)."""
 
     def __init__(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, golden=None,
-                 detectors="black-box", rank=None, world_size=None, report=True, out=None, step=0, previous=None):
+                 detectors="black-box", rank=None, world_size=None, report=True, out=None, step=0, previous=None,
+                 declare=None):
         rank, world_size = _ranks(rank, world_size)
         self.ctx = WatchContext(model, _unwrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler,
-                                tokenizer=tokenizer, golden=load_golden(golden), rank=rank, world_size=world_size)
+                                tokenizer=tokenizer, golden=load_golden(golden), rank=rank, world_size=world_size,
+                                conventions=Conventions.of(tokenizer, declare))
         # a resumed loop: the step it resumes at, and the watch of the segment before (what it trained on)
         self.ctx.step = self.ctx.start_step = int(step or 0)
         if previous is not None:
@@ -146,7 +148,7 @@ class Watch:
             self.ctx.previous = prev
             self.ctx.batches_seen = dict(prev.batches_seen)
             self.ctx.train_rows = set(prev.train_rows)
-        self._special = special_ids(tokenizer) if tokenizer is not None else {}
+        self._special = self.ctx.conventions.special
         self._batches: list[int] = []
         self._layout: dict | None = None
         self._stale_hooked = False  # the stale-gradient check is hooked on this step's first backward
@@ -235,7 +237,7 @@ class Watch:
                 self._guard(self._track_scale)()  # a skip at the last step shows only in the scale after it
                 self._fire("on_end", self.ctx)
             else:
-                self._fire("on_crash", self.ctx, _crash(exc))
+                self._fire("on_crash", self.ctx, {**_crash(exc), "phase": self.ctx.phase})
         finally:
             self._detach()
         if self.out is not None:
@@ -297,6 +299,7 @@ class Watch:
 
     def _before_forward(self, module, args, kwargs) -> None:
         self._eval_call = not (torch.is_grad_enabled() and module.training)
+        self.ctx.phase = "eval forward" if self._eval_call else "forward"
         self._pending = self.ctx.pending_batch = normalize_call(self._positional, args, kwargs)
         if self.ctx.rng_at_start is None and torch.is_grad_enabled() and module.training:
             self.ctx.rng_at_start = torch.get_rng_state()  # the global RNG as the first training forward finds it
@@ -304,7 +307,9 @@ class Watch:
     def _after_forward(self, module, args, output) -> None:
         batch, self._pending = self._pending or {}, None
         logits, loss = split_output(output)
-        if torch.is_grad_enabled() and module.training:
+        training = torch.is_grad_enabled() and module.training
+        self.ctx.phase = "backward" if training else "evaluation"
+        if training:
             if not self.attached:  # after exit, only evaluations are watched
                 return
             self._track_scale()
@@ -422,6 +427,7 @@ class Watch:
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         scaler, sampled = self.ctx.scaler, self.ctx.sampled_step
+        self.ctx.phase = "step"
         self.ctx.backward_seen = not self._fresh
         self._before = {"lrs": [float(g["lr"]) for g in optimizer.param_groups], "sampled": sampled,
                         # a fused norm over every gradient costs ~1% of a small model's step: sampled steps only
@@ -432,6 +438,7 @@ class Watch:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         ctx, before = self.ctx, self._before
+        ctx.phase = "between steps"
         self._track_scale()
         skipped, self._skips_recorded = ctx.skipped_steps - self._skips_recorded, ctx.skipped_steps
         loss = sum(self._losses) / len(self._losses) if self._losses else None
@@ -527,7 +534,9 @@ def _crash(exc: BaseException) -> dict:
 
 def watch(model, optimizer, **kwargs) -> Watch:
     """Watch a training loop: ``with watch(model, optimizer, scheduler=, scaler=, tokenizer=, golden=,
-    detectors="black-box", rank=, world_size=, report=True, out=None) as w: ...``. See ``Watch``."""
+    detectors="black-box", rank=, world_size=, report=True, out=None, declare=None) as w: ...``. See ``Watch``;
+    ``declare``: the loop's conventions (detectors.blackbox.conventions), e.g. {"positions": "relative",
+    "total_steps": 1000, "pad_id": 0}."""
     return Watch(model, optimizer, **kwargs)
 
 

@@ -416,7 +416,9 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
     start = time.perf_counter()
     ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
     white, black = split_tracks(case.detectors)
-    watched = Watched(black, rank, cfg.train.world_size, golden) if black else None
+    # the reference's RoPE and its planned length, as its user would declare them to the watch
+    declare = {"positions": "relative", "total_steps": cfg.train.steps}
+    watched = Watched(black, rank, cfg.train.world_size, golden, declare) if black else None
     suite = None
     handles = []
     capture = None

@@ -28,9 +28,11 @@ def split_tracks(ids) -> tuple[tuple[str, ...], tuple[str, ...]]:
 class Watched:
     """The black-box detectors of a case over the segments of its run (one watch per model/optimizer pair)."""
 
-    def __init__(self, ids: tuple[str, ...], rank: int = 0, world_size: int = 1, golden: dict | None = None):
+    def __init__(self, ids: tuple[str, ...], rank: int = 0, world_size: int = 1, golden: dict | None = None,
+                 declare: dict | None = None):
         self.ids, self.rank, self.world_size = tuple(d for d in ids if d != WATCH_RECORDER), rank, world_size
         self.golden = envelope(golden)
+        self.declare = declare  # what the target's user would declare about the loop (faultbench.watch's declare=)
         self.watches: list = []
 
     @property
@@ -46,7 +48,7 @@ class Watched:
         self.finish()
         watch = Watch(model, optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer, detectors=self.ids,
                       golden=self.golden, rank=self.rank, world_size=self.world_size, report=False, step=step,
-                      previous=self.watches[-1] if self.watches else None)
+                      previous=self.watches[-1] if self.watches else None, declare=self.declare)
         self.watches.append(watch)
         watch.__enter__()
 
@@ -63,7 +65,7 @@ class Watched:
                 super().on_train_begin(args, state, control, **kwargs)
                 watched.watches.append(self.watch)
 
-        return CaseCallback(detectors=self.ids, golden=self.golden, report=False)
+        return CaseCallback(detectors=self.ids, golden=self.golden, report=False, declare=self.declare)
 
     def quiet(self, on: bool) -> None:
         """Hide (``on``) or show again the model's calls from the watch: a white-box hook is running."""

@@ -29,6 +29,23 @@ class Tokenizer:
         if None in (self.pad_id, self.bos_id, self.eos_id, self.unk_id):
             raise ValueError(f"tokenizer lacks one of the special tokens {SPECIAL_TOKENS}")
 
+    # the special ids under the names of the tokenizer protocol (Hugging Face's), which faultbench.watch reads
+    @property
+    def pad_token_id(self) -> int:
+        return self.pad_id
+
+    @property
+    def bos_token_id(self) -> int:
+        return self.bos_id
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.eos_id
+
+    @property
+    def unk_token_id(self) -> int:
+        return self.unk_id
+
     @property
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size(with_added_tokens=True)

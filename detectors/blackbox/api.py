@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from faultbench.detectors.api import SUBSYSTEMS, Detector, Finding, _jsonable
+from faultbench.detectors.blackbox.conventions import Conventions
 
 
 @dataclass
@@ -69,12 +70,16 @@ class WatchContext:
     of each sampled step (``sampled_step``), {"params": how many of the optimizer's parameters still held a non-zero
     gradient, "of": how many it has, "first": the first such parameter's name}, until that step's record; None when
     all were clear or the step was not sampled;
-    ``skipped_steps``: steps the loss scaler skipped so far (no optimizer hook fires for those)."""
+    ``skipped_steps``: steps the loss scaler skipped so far (no optimizer hook fires for those);
+    ``conventions``: what the loop declared about itself (special ids, positions, planned length:
+    detectors.blackbox.conventions), never guessed."""
 
     def __init__(self, model: torch.nn.Module, optimizer, *, scheduler=None, scaler=None, tokenizer=None,
-                 golden: dict | None = None, rank: int = 0, world_size: int = 1):
+                 golden: dict | None = None, rank: int = 0, world_size: int = 1,
+                 conventions: Conventions | None = None):
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.tokenizer, self.golden, self.rank, self.world_size = tokenizer, golden, rank, world_size
+        self.conventions = conventions or Conventions.of(tokenizer)
         self.step = 0
         self.last_batch: dict | None = None
         self.history: list[StepRecord] = []
@@ -89,6 +94,11 @@ class WatchContext:
         self.batches_seen: dict[int, int] = {}  # training batch hash -> the step it was trained at
         self.train_rows: set[int] = set()  # hashes of the training rows seen (at most MAX_ROWS)
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
+        # where the loop is in its step (what a crash interrupted): "setup" (no forward yet), "forward" (a training
+        # forward), "backward" (after it: the loss, backward, clipping), "step" (the optimizer's), "between steps"
+        # (the scheduler, the next batch, logging, saving), "eval forward" / "evaluation" (in / after a forward
+        # without grad, until the next training forward or step)
+        self.phase = "setup"
         # evaluations after the watch's exit are watched too (``Watch.watch_evaluations``): their checks may still come
         self.evaluations_follow = False
         self._names: dict[int, str] | None = None
@@ -232,7 +242,8 @@ class BlackBoxDetector(Detector):
                                             the loop reported the loss of its evaluation (``Watch.observe``):
                                             with ``across_ranks`` it covers every rank's share, each rank reports it
       on_end(ctx)                           the watch exited normally
-      on_crash(ctx, crash)                  the with-block raised: {type, message, frames: [(file, line, func)]}
+      on_crash(ctx, crash)                  the with-block raised: {type, message, frames: [(file, line, func)],
+                                            phase: ``WatchContext.phase`` when it raised}
     Raise ``NotApplicable`` (detectors.api) from a hook when the loop breaks the detector's assumption: the
     watch says so once in its report and calls the detector no more.
 

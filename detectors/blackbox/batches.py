@@ -74,18 +74,6 @@ def fingerprint(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str,
     return [hash(r) for r in rows], None if special is None else _layout(rows, width, special)
 
 
-def special_ids(tokenizer) -> dict[str, int]:
-    """{"bos": id, "eos": id} of a tokenizer (HF names or ``bos_id``/``eos_id``), those it has."""
-    out = {}
-    for key in ("bos", "eos"):
-        for name in (f"{key}_token_id", f"{key}_id"):
-            value = getattr(tokenizer, name, None)
-            if isinstance(value, int):
-                out[key] = value
-                break
-    return out
-
-
 # a layout count -> the count it is a fraction of (what the golden envelope spans, per run)
 # (full-width rows first: where they alone lost EOS, theirs is the finding that says why)
 FRACTIONS = {"bos": "rows", "bos2": "rows", "full_eos": "full", "eos": "rows", "idle": "cells"}

@@ -463,11 +463,10 @@ class LossPadding(_GradientDetector):
 
 
 def _pad_id(ctx: WatchContext, ids: torch.Tensor, mask: torch.Tensor) -> int | None:
-    """The tokenizer's pad id, else the single id the batch holds where attention_mask is 0."""
-    for name in ("pad_token_id", "pad_id"):
-        value = getattr(ctx.tokenizer, name, None)
-        if isinstance(value, int):
-            return value
+    """The declared pad id (detectors.blackbox.conventions), else the single id the batch holds where attention_mask
+    is 0."""
+    if ctx.conventions.pad_id is not None:
+        return ctx.conventions.pad_id
     padded = ids[~mask].unique()
     return int(padded[0]) if padded.numel() == 1 else None
 

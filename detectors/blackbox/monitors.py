@@ -16,19 +16,19 @@ import torch
 from faultbench.detectors.api import NotApplicable, register
 from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
 
-IGNORE_INDEX = -100  # the label value torch's cross_entropy (and every HF loss) ignores by default
-
 
 @register
 class LRShape(BlackBoxDetector):
     """The LR the optimizer stepped with: a warmup that never ends, and an optimizer that does not follow its
-    scheduler. Rules (no schedule formula): the LR rose at EVERY one of ``MIN_STEPS`` or more steps and was still
-    rising when the run ended (no warmup of a real schedule outlasts a whole run); with a scheduler, the LR the
-    optimizer used differs from the one the scheduler reports on ``MIN_MISMATCH`` steps."""
+    scheduler. Rules (no schedule formula): in a run whose planned length the loop declared (``total_steps``; the
+    HF callback declares Trainer's ``max_steps``) and that the watch saw to its end, the LR rose at EVERY one of
+    ``MIN_STEPS`` or more steps and was still rising at the last one (a warmup never outlasts the run it belongs to;
+    a run watched only for part of its length says nothing about where its warmup ends); with a scheduler, the LR
+    the optimizer used differs from the one the scheduler reports on ``MIN_MISMATCH`` steps."""
 
     id = "bb_lr_shape"
     family = "optimizer"
-    description = "LR as the optimizer used it: endless warmup (rising at every step of the run), scheduler ignored"
+    description = "LR as the optimizer used it: endless warmup (rising to the declared end), scheduler ignored"
     MIN_STEPS = 20
     MIN_MISMATCH = 2
 
@@ -46,14 +46,16 @@ class LRShape(BlackBoxDetector):
 
     def on_end(self, ctx: WatchContext) -> None:
         lrs = [r.lrs[0] for r in ctx.history if r.lrs]
-        if len(lrs) < self.MIN_STEPS:
+        planned = ctx.conventions.total_steps
+        if len(lrs) < self.MIN_STEPS or planned is None or ctx.step < planned:
             return
         if all(b > a for a, b in zip(lrs, lrs[1:], strict=False)):
             where = "scheduler" if ctx.scheduler is not None else "optimizer"
             self.report(ctx, "optimizer", where,
-                        f"the LR rose at every one of the run's {len(lrs)} steps ({lrs[0]:.3g} -> {lrs[-1]:.3g}) and "
-                        "was still rising at the end: the warmup never ends (its length is in other units than the "
-                        "steps, or longer than the run), so the peak LR is never reached",
+                        f"the LR rose at every one of the {len(lrs)} steps watched ({lrs[0]:.3g} -> {lrs[-1]:.3g}) and "
+                        f"was still rising at the run's planned last step ({planned}): the warmup never ends (its "
+                        "length is in other units than the steps, or longer than the run), so the peak LR is never "
+                        "reached",
                         {"first_lr": lrs[0], "last_lr": lrs[-1], "steps": len(lrs)}, confidence=0.8)
 
 
@@ -354,46 +356,34 @@ class EvalMode(BlackBoxDetector):
                             "is missing"), {"dropout_modules": active[:5]}, confidence=0.7 if active else 0.5)
 
 
-def _pad_id(tokenizer) -> int | None:
-    for name in ("pad_token_id", "pad_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return None
-
-
 @register
 class PadIds(BlackBoxDetector):
-    """Batches against the tokenizer: where attention_mask is 0 the ids are the tokenizer's pad id and the labels
-    are ignored; where it is 1 there is no pad id (unless pad doubles as another special token, e.g. EOS)."""
+    """Batches against the declared pad id (the tokenizer's ``pad_token_id``, or ``declare={"pad_id": ...}``): where
+    attention_mask is 0 the ids are the pad id; where it is 1 there is no pad id (unless pad doubles as another
+    special token, e.g. EOS). Whether padded targets are trained is the loss's gradient's to say (bb_loss_padding):
+    the label value a loop ignores them with is its own choice."""
 
     id = "bb_pad_ids"
     sampled = True  # every batch keeps the contract alike
     family = "collate"
-    description = "padding in the batches vs the tokenizer's pad id: masked real tokens, trained pads"
+    description = "padding in the batches vs the declared pad id: masked real tokens, attended pads"
 
     def on_start(self, ctx: WatchContext) -> None:
-        if ctx.tokenizer is None or _pad_id(ctx.tokenizer) is None:
-            raise NotApplicable("no tokenizer with a pad id was given")
-        self._pad = _pad_id(ctx.tokenizer)
-        self._special = _pad_is_special(ctx.tokenizer, self._pad)  # then a pad id may be attended (as EOS, ...)
+        self._pad = ctx.conventions.pad_id
+        if self._pad is None:
+            raise NotApplicable("no pad id was declared (a tokenizer's pad_token_id, or declare={'pad_id': ...})")
+        self._special = ctx.conventions.doubles_as_special(self._pad)  # then a pad id may be attended (as EOS, ...)
 
     def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
-        mask, ids, labels = batch.get("attention_mask"), batch.get("input_ids"), batch.get("labels")
+        mask, ids = batch.get("attention_mask"), batch.get("input_ids")
         if mask is None or ids is None or mask.shape != ids.shape:
             return
         pad, hidden = self._pad, mask == 0
         is_pad = ids == pad
-        # elementwise tests and one reduction each (no boolean indexing): every sampled forward pays for them; where
+        # elementwise tests and one reduction (no boolean indexing): every sampled forward pays for them; where
         # the padding keeps the contract (the usual case) one test says so
         if bool(((hidden & ~is_pad) if self._special else (is_pad != hidden)).any()):
             self._mismatch(ctx, pad, hidden, is_pad)
-        trained_pad = int((hidden & (labels != IGNORE_INDEX)).sum()) \
-            if labels is not None and labels.shape == mask.shape else 0
-        if trained_pad:
-            self.report_once("trained_pad", ctx, "collate", "batch",
-                             f"{trained_pad} labels at padded positions are not {IGNORE_INDEX}: the loss is taken on "
-                             "padding", {"positions": trained_pad}, confidence=0.8)
 
     def _mismatch(self, ctx: WatchContext, pad: int, hidden: torch.Tensor, is_pad: torch.Tensor) -> None:
         masked_real = int((hidden & ~is_pad).sum())
@@ -410,13 +400,8 @@ class PadIds(BlackBoxDetector):
 
     def on_eval_forward(self, ctx: WatchContext, batch: dict, logits) -> None:
         """An evaluation or generation batch (batched generation pads on the left) keeps the same contract between
-        its mask and its ids; its labels train nothing."""
-        self.on_forward(ctx, {k: v for k, v in batch.items() if k != "labels"}, logits, None)
-
-
-def _pad_is_special(tokenizer, pad: int) -> bool:
-    """Whether the pad id doubles as another special token (EOS/BOS/UNK): then it may appear unmasked."""
-    return pad in {getattr(tokenizer, n, None) for n in ("eos_token_id", "bos_token_id", "unk_token_id")}
+        its mask and its ids."""
+        self.on_forward(ctx, batch, logits, None)
 
 
 @register

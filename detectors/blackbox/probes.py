@@ -282,8 +282,10 @@ class ProbeRound:
     ``result``)."""
 
     def __init__(self, lm: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 pad_id: int | None = None, position_ids: torch.Tensor | None = None, length: int = LENGTH):
+                 pad_id: int | None = None, position_ids: torch.Tensor | None = None, length: int = LENGTH,
+                 positions: str | None = None):
         self.lm, self.batch_mask, self.batch_positions = lm, attention_mask, position_ids
+        self.positions = positions  # the loop's declared kind of positions (detectors.blackbox.conventions)
         self.ids = real_block(input_ids, attention_mask, rows=1, length=length)
         self.pad_id = int(self.ids[0, 0]) if pad_id is None else int(pad_id)
         self.cut = self.ids.shape[1] // 2
@@ -311,13 +313,14 @@ class ProbeRound:
             ids, lm = self.ids, self.lm
             rows = {"base": ids, "again": ids, "changed": self.changed}
             if lm.takes_position_ids:
-                rows |= {"shifted": ids, "repeated": ids[:, :1].expand_as(ids)}
+                rows |= {"shifted": ids, "repeated": ids[:, :1].expand_as(ids), "spread": ids}
             self._plain_rows = {name: i for i, name in enumerate(rows)}
             batch = torch.cat(list(rows.values()))
             positions = None
             if lm.takes_position_ids:
                 positions = torch.arange(ids.shape[1], device=ids.device).expand_as(batch).clone()
                 positions[self._plain_rows["shifted"]] += SHIFT
+                positions[self._plain_rows["spread"], self.cut:] += SHIFT  # a gap in the positions at ``cut``
             if self._unmasked_error is None and self.lm.unpadded_error is not None:
                 where = raised_in(self.lm.model, lambda: self.lm.logits(self.ids))
                 self._unmasked_error = (self.lm.unpadded_error, where)
@@ -333,6 +336,8 @@ class ProbeRound:
                 self._results["position_shift"] = NotApplicable(
                     f"shifted positions fall outside the model's position table ({exc})")
                 self._results["attention_distribution"] = NotApplicable("the model's positions are absolute")
+                self._results["positions_used"] = NotApplicable(
+                    f"spread positions fall outside the model's position table ({exc})")
                 rows = {k: v for k, v in rows.items() if k in ("base", "again", "changed")}
                 self._plain_rows = {name: i for i, name in enumerate(rows)}
                 batch = torch.cat(list(rows.values()))
@@ -494,24 +499,53 @@ class ProbeRound:
         return any(t.shape[-1] == shifted.shape[-1] and t.dim() >= 1 and
                    any(torch.equal(r, shifted) for r in t.reshape(-1, t.shape[-1])) for t in fwd.looked_up)
 
+    def _shift_gap(self) -> float:
+        """How much the logits move when every position id moves by SHIFT (relative change)."""
+        return relative_gap(self._logits("base"), self._logits("shifted"))
+
     def _position_shift(self) -> ProbeResult | None:
+        """Declared relative positions (rotary, ALiBi): the logits do not depend on where the row starts. Only a
+        declaration says the positions are meant to be relative: sinusoidal or learned absolute positions computed
+        from the same position ids are as correct, and shift-dependent."""
         if not self.lm.takes_position_ids:
             raise NotApplicable("the model takes no position_ids")
+        if self.positions != "relative":
+            raise NotApplicable("the loop did not declare its positions relative (declare={'positions': 'relative'})")
         fwd = self.plain()
         if "position_shift" in self._results:  # set while building the forward
             raise self._results["position_shift"]
-        if self._absolute_positions():
-            raise NotApplicable("the model looks its position ids up in a learned table (absolute positions)")
-        gap = relative_gap(self._logits("base"), self._logits("shifted"))
+        gap = self._shift_gap()
         if gap <= 10 * fwd.tol:  # rotary tables are recomputed at other angles: rounding grows a little
             return None
         calls = self._trace(fwd)
         where = first_broken(calls, calls, _row(self._plain_rows["base"]), _row(self._plain_rows["shifted"]), fwd.tol)
         return ProbeResult("position_shift", gap, where, "position",
                            f"shifting every position by {SHIFT} changes the logits (relative change {gap:.3g}) "
-                           f"although no position is looked up in a table: attention depends on absolute "
+                           f"although the positions are declared relative: attention depends on absolute "
                            f"positions; first at {where}",
                            {"relative_logit_change": gap, "shift": SHIFT, "tolerance": 10 * fwd.tol})
+
+    def _positions_used(self) -> ProbeResult | None:
+        """The position ids a loop passes are the positions the model uses: the row with a gap of SHIFT in its
+        positions from ``cut`` on must give other logits after ``cut`` (whatever the scheme: a table, sinusoids or
+        rotary, the offsets across the gap change), differing from the row's logits by more than the same row again
+        does. A model that ignores the ids it is given (recomputes them from 0) gives the row's logits exactly."""
+        if not self.lm.takes_position_ids:
+            raise NotApplicable("the model takes no position_ids")
+        self.plain()
+        if "positions_used" in self._results:  # set while building the forward
+            raise self._results["positions_used"]
+        base, cut = self._logits("base"), self.cut
+        gap = relative_gap(base[:, cut:], self._logits("spread")[:, cut:])
+        noise = relative_gap(base[:, cut:], self._logits("again")[:, cut:])
+        if gap > noise:
+            return None
+        return ProbeResult("positions_used", gap, "", "position",
+                           f"position ids with a gap of {SHIFT} from position {cut} on give the logits of the "
+                           f"unbroken positions (relative change {gap:.3g}, the same row again: {noise:.3g}): the "
+                           "model ignores the position ids it is given (recomputes them from 0, or drops them), so a "
+                           "left-padded row or a packed row is positioned wrongly",
+                           {"relative_logit_change": gap, "noise": noise, "cut": cut, "shift": SHIFT})
 
     def _attention_distribution(self) -> ProbeResult | None:
         """One token repeated, in a model whose positions are relative (shift-invariant): every position attends
@@ -522,7 +556,7 @@ class ProbeRound:
         fwd = self.plain()
         if "attention_distribution" in self._results:
             raise self._results["attention_distribution"]
-        if not self._quiet("position_shift") or self._absolute_positions():
+        if self._absolute_positions() or self._shift_gap() > 10 * fwd.tol:  # measured, whatever was declared
             raise NotApplicable("the model's positions are not relative: a repeated token may differ by position")
         repeated = self._logits("repeated")[0]
         gap = relative_gap(repeated[:1].expand_as(repeated), repeated)
@@ -607,6 +641,7 @@ class ProbeRound:
 # makes every comparison noise; a full forward that is not causal is no reference for padding or cached decode,
 # and a left-padded generate shows again what padding invariance found
 GATES = {"output_contract": ("determinism",), "causality": ("determinism",), "position_shift": ("determinism",),
+         "positions_used": ("determinism",),
          "attention_distribution": ("determinism",), "padding_invariance": ("determinism", "causality"),
          "cache_consistency": ("determinism", "causality", "padding_invariance")}
 
@@ -622,9 +657,9 @@ def _single(probe: str):
     return run
 
 
-PROBES = ("determinism", "output_contract", "causality", "padding_invariance", "position_shift",
+PROBES = ("determinism", "output_contract", "causality", "padding_invariance", "position_shift", "positions_used",
           "attention_distribution", "cache_consistency")
-determinism, output_contract, causality, padding_invariance, position_shift, attention_distribution, \
+determinism, output_contract, causality, padding_invariance, position_shift, positions_used, attention_distribution, \
     cache_consistency = (_single(p) for p in PROBES)
 
 
@@ -733,9 +768,8 @@ def round_result(ctx, probe: str, full: bool = False) -> ProbeResult | None:
             lm = ctx.lm
         except ValueError as exc:  # no per-position logits to probe
             raise NotApplicable(str(exc)) from exc
-        pad_id = getattr(ctx.tokenizer, "pad_token_id", None)
-        entry = (ctx.step, ProbeRound(lm, batch["input_ids"], batch.get("attention_mask"), pad_id,
-                                      batch.get("position_ids")))
+        entry = (ctx.step, ProbeRound(lm, batch["input_ids"], batch.get("attention_mask"), ctx.conventions.pad_id,
+                                      batch.get("position_ids"), positions=ctx.conventions.positions))
         rounds[ctx] = entry
     with ctx.probe(), full_precision(ctx.model) if full else contextlib.nullcontext():
         return entry[1].result(probe)
@@ -832,9 +866,17 @@ class BlackBoxCache(_ActiveProbe):
 class BlackBoxPositionShift(_ActiveProbe):
     id = "bb_position_shift"
     family = "position"
-    description = "every position id + 3: a model with relative (rotary) positions gives the same logits"
+    description = "every position id + 3: a model with declared relative (rotary) positions gives the same logits"
     PROBE = "position_shift"
     RECHECK = True
+
+
+@register
+class BlackBoxPositionsUsed(_ActiveProbe):
+    id = "bb_positions_used"
+    family = "position"
+    description = "position ids with a gap: the logits after it change (the model uses the position ids it is given)"
+    PROBE = "positions_used"
 
 
 @register

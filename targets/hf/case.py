@@ -86,7 +86,8 @@ def _run(recipe, seed: int, detectors: tuple, golden, rank: int, workdir: Path) 
     start = time.perf_counter()
     ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
     white, black = split_tracks(detectors)
-    watched = Watched(black, rank, recipe.world_size, golden) if black else None
+    # Llama's RoPE, as its user would declare it (the callback declares Trainer's max_steps itself)
+    watched = Watched(black, rank, recipe.world_size, golden, {"positions": "relative"}) if black else None
     suite = None
     try:
         ctx.run = build_run(recipe, seed, workdir, rank)

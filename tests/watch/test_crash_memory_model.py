@@ -1,5 +1,5 @@
 """Black-box checks of a crash's place, of graphs a loop keeps alive, of the model's build and of probes in full
-precision: a crash localized by the innermost frame of the user's own code (and not where no name tells); a loss
+precision: a crash localized by the phase of the step it interrupted and by replaying its forward; a loss
 kept as a tensor found within a few steps while a loop variable holding the last loss is fine; a model built unlike
 the user's known-good runs (an untied head) reported as the model's, above the optimizer that then differs too; the
 probes' full-precision round exact both ways, and a decode-position bug found under bf16 autocast.
@@ -59,19 +59,74 @@ def crash_findings(model: torch.nn.Module, labels: torch.Tensor) -> list:
     return w.findings
 
 
-def test_a_crash_is_localized_by_the_innermost_frame_of_the_users_code():
+def test_a_crash_is_localized_by_the_phase_it_interrupted_and_a_replay_of_the_forward():
     labels = torch.ones(2, LENGTH, dtype=torch.long)
-    labels[:, -1] = -100  # cross_entropy (torch's frame, skipped) raises in the user's lm_loss
+    labels[:, -1] = -100  # the model's forward returned; the loop's own loss raises (its ignore value is -1)
     top = crash_findings(TinyLM(), labels)[0]
-    assert (top.subsystem, top.where.rpartition(".")[2]) == ("loss", "lm_loss")
-    assert top.evidence["function"] == "lm_loss" and "Target -100" in top.message
-    # a position table one row short: the lookup in the user's rope_at raises
+    assert (top.subsystem, top.where, top.evidence["phase"]) == ("loss", "loss", "backward")
+    assert "Target -100" in top.message
+    # a position table one row short: the replayed forward raises at the batch's length and runs on half of it
     top = crash_findings(TinyLM(table_rows=LENGTH - 1), labels.clamp_min(0))[0]
-    assert (top.subsystem, top.where.rpartition(".")[2]) == ("position", "rope_at")
+    assert (top.subsystem, top.evidence["phase"], top.evidence["length"]) == ("position", "forward", LENGTH)
 
 
-def test_a_crash_in_code_whose_name_tells_nothing_is_not_localized():
-    assert crash_findings(TinyLM(reshape_bug=True), torch.ones(2, LENGTH, dtype=torch.long)) == []
+def test_a_crash_the_replayed_forward_repeats_at_any_length_is_the_models():
+    top = crash_findings(TinyLM(reshape_bug=True), torch.ones(2, LENGTH, dtype=torch.long))[0]
+    assert (top.subsystem, top.where) == ("model", "") and "model's own forward" in top.message
+
+
+class Masked(torch.nn.Module):
+    """``model(idx, attention_mask=None) -> logits`` whose mask handling fails on the mask it is given; ``inner``: a
+    submodule that raises whatever it gets (then the model's code is at fault)."""
+
+    def __init__(self, inner_raises: bool = False):
+        super().__init__()
+        self.wte, self.head = torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Linear(WIDTH, VOCAB)
+        self.block = Raising() if inner_raises else torch.nn.Identity()
+
+    def forward(self, idx, attention_mask=None):
+        x = self.block(self.wte(idx))
+        if attention_mask is not None:
+            x = x * attention_mask[:, :, None, None]  # a (B, T) mask broadcast one dimension too far: raises
+        return self.head(x)
+
+
+class Raising(torch.nn.Module):
+    def forward(self, x):
+        return x.view(-1, WIDTH + 1)
+
+
+@pytest.mark.parametrize(("inner", "expected"), [(False, ("mask", "")), (True, ("model", "block"))])
+def test_a_forward_that_runs_without_its_mask_is_a_mask_crash_else_the_innermost_module(inner, expected):
+    model = Masked(inner)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = faultbench.watch(model, optimizer, report=False, detectors=["bb_crash_site"])
+    with pytest.raises(RuntimeError), w:
+        idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+        model(idx, attention_mask=torch.ones_like(idx)).sum().backward()
+    assert [(f.subsystem, f.where) for f in w.findings] == [expected]
+
+
+@pytest.mark.parametrize(("phase_of", "expected"), [
+    ("step", ("optimizer", "optimizer")), ("between steps", ("data", "batch")), ("evaluation", ("eval", "eval"))])
+def test_a_crash_outside_any_forward_is_localized_by_the_phase_it_interrupted(phase_of, expected):
+    """The loop raises in its own code (no library frame): after the optimizer's step began, between steps, and
+    after an evaluation forward."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = faultbench.watch(model, optimizer, report=False, detectors=["bb_crash_site"])
+    with pytest.raises(ValueError), w:
+        if phase_of == "step":  # a hook of the user's, after the watch's: inside the optimizer's step
+            optimizer.register_step_pre_hook(lambda *a: (_ for _ in ()).throw(ValueError("a user's step hook")))
+        idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        optimizer.step()
+        if phase_of == "evaluation":
+            with torch.no_grad():
+                model(idx)
+        raise ValueError("the loop's own bookkeeping")
+    assert [(f.subsystem, f.where) for f in w.findings] == [expected]
+    assert w.findings[0].evidence["phase"] == phase_of
 
 
 def _loop(parts, detectors, *, golden=None, steps=STEPS, keep_losses=False):

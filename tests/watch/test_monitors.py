@@ -29,8 +29,10 @@ def watched(bugs: tuple = (), seed: int = 0, steps: int = 30, amp: bool = True, 
     """The loop (GradScaler enabled unless ``amp`` is False) under ``faultbench.watch`` with every black-box
     detector; its Watch."""
     golden = GOLDEN.get(golden_key)
+    # the loop's planned length declared, as a nanoGPT user would from max_iters (its schedule's length)
     result = train(TrainConfig(amp=amp), bugs=bugs, seed=seed, steps=steps,
-                   watch=lambda m, o, s: faultbench.watch(m, o, scaler=s, golden=golden, report=False))
+                   watch=lambda m, o, s: faultbench.watch(m, o, scaler=s, golden=golden, report=False,
+                                                          declare={"total_steps": steps}))
     return result["watch"]
 
 
@@ -48,10 +50,10 @@ def test_the_correct_loop_yields_no_finding(seed, amp):
     assert w.ctx.step == 30 and len(w.ctx.history) == 30
     assert w.findings == [], _messages(w)
     assert w.errors == {}
-    # the monitors ran (not excused): the ones that need a scaler only where there is one
+    # the monitors ran (were called and not excused): the ones that need a scaler only where there is one
     scaler_only = {"bb_clip_scaled", "bb_scaler_skips"}
-    excused = set(w.not_applicable)
-    assert {"bb_lr_shape", "bb_grads_cleared", "bb_params_in_optimizer", "bb_eval_mode"}.isdisjoint(excused)
+    excused, called = set(w.not_applicable), set(w.step_seconds) | set(w.other_seconds)
+    assert {"bb_lr_shape", "bb_grads_cleared", "bb_params_in_optimizer", "bb_eval_mode"} <= called - excused
     assert scaler_only.isdisjoint(excused) if amp else scaler_only <= excused
 
 
@@ -286,7 +288,7 @@ def test_a_crash_on_an_id_outside_the_vocabulary_is_a_data_finding():
     assert w.ctx.step == 3
     top = w.findings[0]
     assert (top.detector, top.subsystem, top.where) == ("bb_crash_site", "data", "batch")
-    assert top.evidence == {"max_id": Tok.vocab_size, "vocab": Tok.vocab_size}
+    assert top.evidence == {"max_id": Tok.vocab_size, "vocab": Tok.vocab_size, "phase": "forward"}
 
 
 def test_no_per_parameter_hook_runs_in_the_steps_without_a_scaler_and_one_with_it():

@@ -23,11 +23,13 @@ torch.set_num_threads(1)
 MODEL_PROBES = probes.PROBES
 
 
-def run_probes(lm: CausalLM, batch: torch.Tensor, mask: torch.Tensor | None = None) -> dict:
-    """{probe: ProbeResult | None | "n/a"} of every model probe of one round on ``batch``, in no-grad eval mode."""
+def run_probes(lm: CausalLM, batch: torch.Tensor, mask: torch.Tensor | None = None,
+               positions: str | None = "relative") -> dict:
+    """{probe: ProbeResult | None | "n/a"} of every model probe of one round on ``batch``, in no-grad eval mode;
+    ``positions``: what the loop declares (the Llama and the reference use RoPE: relative)."""
     out = {}
     with torch.no_grad():
-        round_ = probes.ProbeRound(lm, batch, mask)
+        round_ = probes.ProbeRound(lm, batch, mask, positions=positions)
         for name in MODEL_PROBES:
             try:
                 out[name] = round_.result(name)
@@ -76,7 +78,7 @@ def gpt2(seed: int) -> CausalLM:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_silent_on_clean_gpt2_whose_learned_positions_make_the_shift_probes_not_applicable(seed):
-    assert run_probes(gpt2(seed), ids(64, (4, 16), seed)) == {**dict.fromkeys(MODEL_PROBES), "position_shift": "n/a",
+    assert run_probes(gpt2(seed), ids(64, (4, 16), seed), positions="absolute") == {**dict.fromkeys(MODEL_PROBES), "position_shift": "n/a",
                                                               "attention_distribution": "n/a"}
 
 
@@ -109,7 +111,8 @@ def test_silent_on_clean_nanogpt_and_not_applicable_where_it_takes_no_such_call(
     x, _ = nano_batch(seed)
     assert run_probes(nano(seed), x) == {"determinism": None, "output_contract": None, "causality": None,
                                          "padding_invariance": "n/a", "position_shift": "n/a",
-                                         "attention_distribution": "n/a", "cache_consistency": "n/a"}
+                                         "positions_used": "n/a", "attention_distribution": "n/a",
+                                         "cache_consistency": "n/a"}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -197,6 +200,24 @@ def test_hf_init_std_passed_as_mean_breaks_the_output_scale():
         results = run_probes(CausalLM.wrap(llama(0)), ids(64, (4, 16)))
     assert broken(results) == {"output_contract": ("model", "")}
     assert results["output_contract"].gap > probes.SCALE_FACTOR  # loss / ln V
+
+
+class IgnoresPositions(torch.nn.Module):
+    """The tiny Llama behind a forward that takes position ids and drops them (Llama then counts from 0)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.inner = llama(seed)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_model_that_ignores_the_position_ids_it_is_given_is_a_position_finding(seed):
+    results = run_probes(CausalLM.wrap(IgnoresPositions(seed).eval()), ids(64, (4, 16), seed))
+    assert broken(results)["positions_used"] == ("position", "")
+    assert results["positions_used"].gap <= results["positions_used"].evidence["noise"]
 
 
 def test_a_model_that_returns_probabilities_breaks_the_output_contract():
@@ -289,7 +310,7 @@ def hf_trainer_run(tmp_path_factory):
     def findings(fault: str | None, recipe: str = "fp32") -> set:
         with injected(*([fault] if fault else [])):
             run = build_run(dataclasses.replace(RECIPES[recipe], steps=3), 0, tmp_path_factory.mktemp("hf"))
-            callback = FaultbenchCallback(detectors=PROBE_DETECTORS, report=False)
+            callback = FaultbenchCallback(detectors=PROBE_DETECTORS, report=False, declare={"positions": "relative"})
             run.trainer.add_callback(callback)
             run.trainer.train()
         assert callback.watch.errors == {}
@@ -299,7 +320,8 @@ def hf_trainer_run(tmp_path_factory):
 
 
 PROBE_DETECTORS = ["bb_eval_determinism", "bb_output_contract", "bb_causality", "bb_padding_invariance",
-                   "bb_cache_consistency", "bb_position_shift", "bb_attention_distribution", "bb_label_alignment"]
+                   "bb_cache_consistency", "bb_position_shift", "bb_positions_used", "bb_attention_distribution",
+                   "bb_label_alignment"]
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "bf16", "left_pad"])

@@ -1,0 +1,211 @@
+"""Where a crash comes from, told by what the loop was doing and by replaying what it was given (black-box track).
+
+A crash names itself: the traceback is the user's first clue. What it does not say is which part of the run is at
+fault: an index error deep in an attention kernel may be the mask the collator built, the positions, the length of
+the batch, or the model. ``bb_crash_site`` answers from behaviour, never from the names of the code:
+
+1. the batch: token ids outside the vocabulary, or longer than any batch trained on (and the golden's) -> data;
+2. a library component that raised it (its files: the loss scaler, the optimizer, the scheduler, the collectives,
+   serialization, the data loader, and in the loader whether the dataset or the collate function raised);
+3. the phase of the step it interrupted (``WatchContext.phase``): before the first forward (building the first
+   batch: data), in the optimizer's step (optimizer), after a training forward and before the step (the loss, its
+   backward, clipping: the loss unless the backward raised), after an evaluation forward (evaluation), between
+   steps (the next batch: data);
+4. inside a forward, the forward replayed on the crash's batch (no grad, eval mode, RNG restored): the innermost
+   module still running when it raises (module hooks on the replay only), and which input it depends on: without
+   the attention mask it runs (mask), without the position ids (position), on the first half of the columns
+   (position: the model's positions do not cover the length), not at all (model); a forward that raises in the
+   loop but not in the replay raised on what the replay leaves out (labels: the loss; else train mode: model).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from faultbench.detectors.api import register
+from faultbench.detectors.blackbox.api import BlackBoxDetector, WatchContext
+from faultbench.detectors.blackbox.probes import raised_in
+
+# a library's component, by the files it lives in: (path fragment, subsystem, name), innermost frame first
+LIBRARY_SITES = (
+    ("torch/amp/grad_scaler.py", "precision", "scaler"), ("torch/cuda/amp/grad_scaler.py", "precision", "scaler"),
+    ("torch/optim/lr_scheduler.py", "optimizer", "scheduler"), ("torch/optim/", "optimizer", "optimizer"),
+    ("torch/nn/parallel/", "distributed", "ranks"), ("torch/distributed/", "distributed", "ranks"),
+    ("torch/serialization.py", "checkpoint", "checkpoint"), ("safetensors/", "checkpoint", "checkpoint"),
+)
+FETCH = "torch/utils/data/_utils/fetch.py"  # the loader's fetch: dataset items, then the collate function
+BACKWARD = ("torch/autograd/", "torch/_tensor.py")  # a backward's frames
+
+# what a crash outside any forward says, by the phase it interrupted: (subsystem, where, what ran there)
+PHASES = {
+    "setup": ("data", "batch", "the loop was building its first batch (no training forward had run)"),
+    "between steps": ("data", "batch", "the loop was between optimizer steps (its next batch, its schedule)"),
+    "backward": ("loss", "loss", "a training forward had returned and the optimizer had not stepped: the loop was "
+                 "computing the loss from the model's output"),
+    "step": ("optimizer", "optimizer", "the optimizer was stepping"),
+    "evaluation": ("eval", "eval", "the loop was evaluating (a forward without grad had run since the last step)"),
+}
+
+
+def _path(frame) -> str:
+    return frame[0].replace(os.sep, "/")
+
+
+@register
+class CrashSite(BlackBoxDetector):
+    """A crash located by its batch, the library component that raised it, the phase of the step it interrupted,
+    and, inside a forward, a replay of that forward on the crash's batch (see the module's docstring)."""
+
+    id = "bb_crash_site"
+    family = "data"
+    description = "a crash located by its batch, the library part that raised it, the step's phase, a replayed forward"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._longest = 0
+
+    def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim():
+            self._longest = max(self._longest, ids.shape[-1])
+
+    def on_crash(self, ctx: WatchContext, crash: dict) -> None:
+        what = f"the run crashed ({crash['type']}: {crash['message'][:160]})"
+        frames = crash.get("frames") or []
+        phase = crash.get("phase")
+        for locate in (self._batch, self._library, self._forward, self._phase):
+            found = locate(ctx, frames, phase)
+            if found is not None:
+                subsystem, where, why, evidence, confidence = found
+                self.report(ctx, subsystem, where, f"{what} {why}", {"phase": phase, **evidence},
+                            confidence=confidence)
+                return
+
+    # -- each returns (subsystem, where, why, evidence, confidence) or None
+    def _batch(self, ctx: WatchContext, frames: list, phase: str | None):
+        ids = (ctx.pending_batch or {}).get("input_ids")
+        if not isinstance(ids, torch.Tensor) or not ids.numel() or ids.is_floating_point():
+            return None
+        vocab = _vocab_size(ctx)
+        if vocab is not None and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            return ("data", "batch", f"on a batch holding token id {int(ids.max())} while the vocabulary has {vocab} "
+                    "ids: the batch was built with an id outside the vocabulary (a pad or special id that the "
+                    "tokenizer does not have)", {"max_id": int(ids.max()), "vocab": vocab}, 0.75)
+        longest = max(self._longest, (ctx.golden or {}).get("max_len") or 0)
+        if longest and ids.dim() and ids.shape[-1] > longest:
+            return ("data", "batch", f"on a batch of length {ids.shape[-1]}, longer than any batch trained on before "
+                    f"({longest}): a document escaped truncation", {"length": ids.shape[-1], "longest": longest}, 0.65)
+        return None
+
+    def _library(self, ctx: WatchContext, frames: list, phase: str | None):
+        paths = [_path(f) for f in frames]
+        fetches = [i for i, p in enumerate(paths) if FETCH in p]
+        if fetches:  # what the loader's fetch called: the dataset's item (data) or the collate function (collate)
+            called = frames[fetches[-1] + 1] if fetches[-1] + 1 < len(frames) else None
+            item = called is None or called[2] in ("__getitem__", "__getitems__")
+            subsystem, part = ("data", "dataset") if item else ("collate", "collate function")
+            return (subsystem, "data loader", f"inside the data loader's {part}, building a batch",
+                    {"frame": (called or frames[-1])[0]}, 0.55)
+        innermost = paths[-1] if paths else ""  # the library raised it itself
+        for site, subsystem, where in LIBRARY_SITES:
+            if site in innermost:
+                return (subsystem, where, f"inside the {where} ({innermost.rsplit('/', 1)[-1]}): the {where} was "
+                        "used out of its contract", {"frame": innermost}, 0.5)
+        return None
+
+    def _forward(self, ctx: WatchContext, frames: list, phase: str | None):
+        batch = ctx.pending_batch or {}
+        if phase not in ("forward", "eval forward") or "input_ids" not in batch:
+            return None
+        if ctx.world_size > 1:  # a replayed forward's collectives (a DDP buffer broadcast) would wait for every rank
+            return ("model", "", "inside a forward (not replayed: other ranks would have to join it)", {}, 0.4)
+        replay = _Replay(ctx, batch)
+        where = replay.raises()
+        if where is None:  # the replay ran: what it leaves out made the loop's forward raise
+            if "labels" in batch:
+                return ("loss", "loss", "in a forward given labels; the same forward without them runs: the loss the "
+                        "model computes from its labels raised", {"replayed": True}, 0.5)
+            return ("model", "", "in a training forward that runs in eval mode without grad: what train mode "
+                    "changes (dropout, a training-only branch) raised", {"replayed": True}, 0.4)
+        for drop, subsystem, why in (("attention_mask", "mask", "without its attention mask it runs: the mask the "
+                                      "loop passed does not fit the model"),
+                                     ("position_ids", "position", "without its position ids it runs: the positions "
+                                      "the loop passed do not fit the model")):
+            if drop in batch and replay.raises(drop=drop) is None:
+                return (subsystem, where, f"in {where or 'the model'}; replayed, the forward raises again, and {why}",
+                        {"module": where, "without": drop}, 0.6)
+        if batch["input_ids"].dim() == 2 and batch["input_ids"].shape[1] >= 4 and replay.raises(half=True) is None:
+            return ("position", where, f"in {where or 'the model'}; replayed, the forward raises again at the batch's "
+                    f"length ({batch['input_ids'].shape[1]}) and runs on half of it: the model's positions (a table, "
+                    "a rotary cache, a length limit) do not cover the batch", {"module": where, "length":
+                                                                               batch["input_ids"].shape[1]}, 0.6)
+        module = f"in {where}, the innermost module running" if where else "in the model's own forward"
+        return ("model", where, f"{module}; replayed on the crash's batch it raises again, with or without the "
+                "mask and positions and on half the length: the model's code", {"module": where}, 0.55)
+
+    def _phase(self, ctx: WatchContext, frames: list, phase: str | None):
+        if phase == "backward" and any(b in _path(f) for f in frames for b in BACKWARD):
+            return ("model", "", "in the backward of a training step: the graph its forward built cannot be "
+                    "differentiated (an in-place change of a saved tensor, a dtype or shape the backward rejects)",
+                    {}, 0.45)
+        if phase not in PHASES:
+            return None
+        subsystem, where, during = PHASES[phase]
+        return (subsystem, where, f"while {during}", {}, 0.35)
+
+
+class _Replay:
+    """The crash's forward called again on its batch, as a probe (no grad, eval mode, RNG restored): ``raises()``
+    says the innermost module running when it raised ("" for the model's own code), None when it runs."""
+
+    def __init__(self, ctx: WatchContext, batch: dict):
+        self.ctx, self.batch = ctx, batch
+
+    def raises(self, drop: str | None = None, half: bool = False) -> str | None:
+        kwargs = {k: v for k, v in self.batch.items() if k in ("attention_mask", "position_ids") and k != drop}
+        ids = self.batch["input_ids"]
+        if half:
+            cut = ids.shape[1] // 2
+            ids, kwargs = ids[:, :cut], {k: v[:, :cut] for k, v in kwargs.items()}
+        failed = []
+
+        def call():
+            try:
+                self._call(ids, kwargs)
+            except Exception:
+                failed.append(True)
+                raise
+
+        with self.ctx.probe():
+            where = raised_in(self.ctx.model, call)
+        return (where or "") if failed else None
+
+    def _call(self, ids: torch.Tensor, kwargs: dict) -> None:
+        """The model called the way the loop calls it: by keyword where its forward names its input ids."""
+        try:
+            by_name = self.ctx.lm.by_name
+        except Exception:  # noqa: BLE001 - no call convention found (the plainest call raises): call positionally
+            by_name = False
+        if by_name:
+            self.ctx.model(input_ids=ids, **kwargs)
+        else:
+            self.ctx.model(ids, **kwargs)
+
+
+def _vocab_size(ctx: WatchContext) -> int | None:
+    """The vocabulary the model embeds: the tokenizer's size, else the largest embedding table."""
+    tok = ctx.tokenizer
+    for size in (_safe_len(tok), getattr(tok, "vocab_size", None)):
+        if isinstance(size, int) and size > 0:
+            return size
+    tables = [m.num_embeddings for m in ctx.model.modules() if isinstance(m, torch.nn.Embedding)]
+    return max(tables) if tables else None
+
+
+def _safe_len(obj) -> int | None:
+    try:
+        return len(obj) if obj is not None else None
+    except TypeError:
+        return None
