@@ -341,7 +341,7 @@ BUILTIN_MODULES = (
     "faultbench.detectors.baselines",
     "faultbench.detectors.blackbox.monitors", "faultbench.detectors.blackbox.probes",
     "faultbench.detectors.blackbox.gradients", "faultbench.detectors.blackbox.evaluation",
-    "faultbench.detectors.blackbox.crashes",
+    "faultbench.detectors.blackbox.crashes", "faultbench.detectors.blackbox.evaluation_effects",
 )
 _loaded = False
 

@@ -78,8 +78,8 @@ def gpt2(seed: int) -> CausalLM:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_silent_on_clean_gpt2_whose_learned_positions_make_the_shift_probes_not_applicable(seed):
-    assert run_probes(gpt2(seed), ids(64, (4, 16), seed), positions="absolute") == {**dict.fromkeys(MODEL_PROBES), "position_shift": "n/a",
-                                                              "attention_distribution": "n/a"}
+    results = run_probes(gpt2(seed), ids(64, (4, 16), seed), positions="absolute")
+    assert results == {**dict.fromkeys(MODEL_PROBES), "position_shift": "n/a", "attention_distribution": "n/a"}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
