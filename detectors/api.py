@@ -342,6 +342,7 @@ BUILTIN_MODULES = (
     "faultbench.detectors.blackbox.monitors", "faultbench.detectors.blackbox.probes",
     "faultbench.detectors.blackbox.gradients", "faultbench.detectors.blackbox.evaluation",
     "faultbench.detectors.blackbox.crashes", "faultbench.detectors.blackbox.evaluation_effects",
+    "faultbench.detectors.blackbox.updates", "faultbench.detectors.blackbox.gradient_check",
 )
 _loaded = False
 

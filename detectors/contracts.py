@@ -575,7 +575,7 @@ _CONTRACTS = (
     _c("optimizer.accounting.updates-applied",
        "every parameter with a non-zero gradient changes at a step that is not skipped and has a non-zero LR",
        S003 + ": whether parameters change after optimizer.step()",
-       BOTH, ("grad_hygiene",)),
+       BOTH, ("grad_hygiene", "bb_updates_applied")),
     _c("optimizer.accounting.step-counter",
        "the optimizer's step counter (Adam's t) equals the number of updates it applied",
        "Kingma & Ba, 'Adam' (2015), algorithm 1 (bias correction by t)",
@@ -672,6 +672,12 @@ _CONTRACTS = (
        "the gradients the backward produced",
        "PyTorch docs, clip_grad_norm_ (returns the total norm of all gradients viewed as one vector)",
        BOTH, ("bb_reported_grad_norm", "rank_grad_norm_agreement", "train_step_contract", "grad_hygiene")),
+    _c("gradients.accounting.true-gradient",
+       "the gradient the optimizer steps with is the derivative of the loss, up to one positive factor per step "
+       "(clipping, scaling): finite differences agree with it",
+       "PyTorch docs, torch.autograd.gradcheck (finite differences against the analytical gradient); Stanford "
+       "CS231n notes, 'Neural Networks Part 3' (gradient checks)",
+       BOTH, ("bb_gradient_check",)),
     _c("gradients.accounting.present",
        "after the backward every parameter the loss depends on holds a gradient (nothing cut off by a detach or "
        "an unused branch)",
@@ -818,7 +824,7 @@ _CONTRACTS = (
     _c("ranks.state.buffers-synced",
        "buffers that affect the forward are the same on every rank",
        "PyTorch docs, DistributedDataParallel(broadcast_buffers=True)",
-       BOTH),
+       BOTH, ("bb_cross_rank",)),
     _c("ranks.numerics.reduction-precision",
        "cross-rank reductions lose no precision beyond a declared compression, and every rank gets the same "
        "result",

@@ -114,9 +114,13 @@ class CausalLM:
                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) -> float logits (B, T, V). ``attention_mask`` / ``position_ids`` (B, T) are passed
         only when given; a model that does not take them raises ValueError rather than ignoring them."""
+        return self.raw_logits(input_ids, attention_mask, position_ids).float()
+
+    def raw_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` in the dtype the model computed them in (float64 in a full-precision probe)."""
         kwargs = self._extras(attention_mask, position_ids)
-        out = _first_logits(self._call(input_ids, **kwargs), *input_ids.shape)
-        return out.float()
+        return _first_logits(self._call(input_ids, **kwargs), *input_ids.shape)
 
     def _extras(self, attention_mask, position_ids) -> dict:
         extras = {"attention_mask": (attention_mask, self.takes_attention_mask),

@@ -337,9 +337,10 @@ class EvalOverlap(BlackBoxDetector):
 @register
 class CrossRank(BlackBoxDetector):
     """Across ranks (world size > 1, torch.distributed initialized): at the first training forward of the watch and
-    of steps 1, 2, 4, 8, ... after it, an all-gather of a parameter fingerprint and of the batch's hash. Replicas
-    whose parameters differ have desynchronized (gradients not averaged, a rank that did not load the
-    checkpoint); ranks training on the same batch do not shard the data."""
+    of steps 1, 2, 4, 8, ... after it, an all-gather of a parameter fingerprint, a fingerprint of the floating
+    buffers and the batch's hash. Replicas whose parameters differ have desynchronized (gradients not averaged, a
+    rank that did not load the checkpoint); buffers that differ make the ranks' forwards different functions; ranks
+    training on the same batch do not shard the data."""
 
     id = "bb_cross_rank"
     family = "distributed"
@@ -365,16 +366,21 @@ class CrossRank(BlackBoxDetector):
         if not params or not isinstance(ids, torch.Tensor):
             return
         device = params[0].device
-        norms = torch._foreach_norm([p.float() for p in params]) if device.type != "meta" else []
-        fingerprint = torch.stack(norms).double().sum() if norms else torch.zeros((), dtype=torch.float64)
-        mine = torch.stack([fingerprint.to(device).view(1).view(torch.int64)[0],
+        buffers = [b.detach() for b in ctx.model.buffers() if b.is_floating_point()]
+        mine = torch.stack([_norms_print(params, device), _norms_print(buffers, device),
                             torch.tensor(int(row_hashes(ids, batch.get("attention_mask")).sum()), device=device)])
         gathered = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
         torch.distributed.all_gather(gathered, mine)
         prints = [float(g[0:1].view(torch.float64)[0]) for g in gathered]
-        hashes = [int(g[1]) for g in gathered]
-        spread = max(prints) - min(prints)
-        if spread > self.REL * max(abs(p) for p in prints):
+        buffer_prints = [float(g[1:2].view(torch.float64)[0]) for g in gathered]
+        hashes = [int(g[2]) for g in gathered]
+        if _spread(buffer_prints) > self.REL * max(abs(p) for p in buffer_prints):
+            self.report(ctx, "distributed", "ranks",
+                        f"at step {ctx.step} the ranks' buffers differ (fingerprints "
+                        f"{', '.join(f'{p:.6g}' for p in buffer_prints)}) while their forwards must be the same "
+                        "function: a buffer computed per rank (from a rank-local value or seed) or not broadcast",
+                        {"fingerprints": buffer_prints, "step": ctx.step}, confidence=0.75)
+        if _spread(prints) > self.REL * max(abs(p) for p in prints):
             self.report(ctx, "distributed", "ranks",
                         f"at step {ctx.step} the ranks' parameters differ (fingerprints "
                         f"{', '.join(f'{p:.6g}' for p in prints)}): the replicas have desynchronized (gradients not "
@@ -385,6 +391,17 @@ class CrossRank(BlackBoxDetector):
                         f"at step {ctx.step} several ranks trained on the same batch: the data is not sharded by rank "
                         "(each rank should see its own part of the global batch)", {"step": ctx.step},
                         confidence=0.75)
+
+
+def _norms_print(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """The sum of the tensors' norms in float64, as int64 bits (gathered with a batch hash in one tensor)."""
+    norms = torch._foreach_norm([t.float() for t in tensors]) if tensors and device.type != "meta" else []
+    fingerprint = torch.stack(norms).double().sum() if norms else torch.zeros((), dtype=torch.float64)
+    return fingerprint.to(device).view(1).view(torch.int64)[0]
+
+
+def _spread(values: list[float]) -> float:
+    return max(values) - min(values)
 
 
 @register

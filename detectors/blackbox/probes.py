@@ -639,11 +639,13 @@ class ProbeRound:
 
 # a probe whose reference another probe's broken property invalidates says nothing: a model random in eval mode
 # makes every comparison noise; a full forward that is not causal is no reference for padding or cached decode,
-# and a left-padded generate shows again what padding invariance found
+# a left-padded generate shows again what padding invariance found, and a model that drops the position ids it is
+# given looks shift-invariant and mispositions every padded row (its one finding is that)
 GATES = {"output_contract": ("determinism",), "causality": ("determinism",), "position_shift": ("determinism",),
          "positions_used": ("determinism",),
-         "attention_distribution": ("determinism",), "padding_invariance": ("determinism", "causality"),
-         "cache_consistency": ("determinism", "causality", "padding_invariance")}
+         "attention_distribution": ("determinism", "positions_used"),
+         "padding_invariance": ("determinism", "causality", "positions_used"),
+         "cache_consistency": ("determinism", "causality", "padding_invariance", "positions_used")}
 
 
 # the single-probe API (one round per call): what tests and a user's own checks call

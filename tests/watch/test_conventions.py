@@ -79,12 +79,20 @@ def batch(rng: torch.Generator, pad_labels: int = IGNORE) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, pad_labels)}
 
 
-def run(seed: int, warmup: int = 1000, pad_labels: int = IGNORE, declare: dict | None = None):
+class IgnoresPositions(SinusoidalLM):
+    """The same model whose forward takes position ids and drops them (counting from 0 in every row)."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None):
+        return super().forward(input_ids, attention_mask, torch.arange(input_ids.shape[1]).expand_as(input_ids),
+                               labels)
+
+
+def run(seed: int, warmup: int = 1000, pad_labels: int = IGNORE, declare: dict | None = None, model_cls=SinusoidalLM):
     """STEPS steps of AdamW under a linear warmup of ``warmup`` steps, an evaluation without grad every 10 steps;
     every black-box detector watching. The Watch."""
     torch.manual_seed(seed)
     rng = torch.Generator().manual_seed(seed)
-    model = SinusoidalLM()
+    model = model_cls()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     with faultbench.watch(model, optimizer, scheduler=scheduler, tokenizer=Tok(), report=False,
@@ -120,6 +128,11 @@ def test_a_correct_loop_with_sinusoidal_positions_ignore_value_minus_one_and_a_l
 def test_positions_declared_relative_in_a_model_whose_positions_are_absolute_is_a_position_finding():
     w = run(0, declare={"positions": "relative"})
     assert [(f.detector, f.subsystem) for f in w.findings] == [("bb_position_shift", "position")], _messages(w)
+
+
+def test_a_model_that_drops_the_position_ids_it_is_given_is_a_position_finding():
+    w = run(0, model_cls=IgnoresPositions)
+    assert [(f.detector, f.subsystem) for f in w.findings] == [("bb_positions_used", "position")], _messages(w)
 
 
 def test_padded_targets_trained_under_another_ignore_value_are_found_by_the_gradient():

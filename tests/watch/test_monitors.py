@@ -316,11 +316,15 @@ def test_no_per_parameter_hook_runs_in_the_steps_without_a_scaler_and_one_with_i
 def _rank_loop(rank: int, world: int, init: str, bug: str | None, out) -> None:
     """One rank of a data-parallel loop that averages its gradients by hand (all_reduce / world), under a watch
     with bb_cross_rank; ``bug``: "not_averaged" (rank 1 skips the all-reduce), "same_data" (every rank draws the
-    batches of rank 0). Puts (rank, [(detector, subsystem, where, step)]) on ``out``."""
+    batches of rank 0), "buffer_per_rank" (a buffer the forward uses holds a rank-dependent value). Puts (rank,
+    [(detector, subsystem, where, step)], not-applicable ids, the first finding's message) on ``out``."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model, optimizer, _ = build(TrainConfig(), seed=0)  # the same initial weights on every rank
+        if bug == "buffer_per_rank":  # an embedding scale kept as a buffer, computed from the rank
+            model.register_buffer("emb_scale", torch.tensor(1.0 + 0.1 * rank))
+            model.transformer.wte.register_forward_hook(lambda m, a, o: o * model.emb_scale)
         batches = _batches(0 if bug == "same_data" else rank, n=5)
         w = faultbench.watch(model, optimizer, report=False, detectors=["bb_cross_rank"])
         with w:
@@ -335,12 +339,13 @@ def _rank_loop(rank: int, world: int, init: str, bug: str | None, out) -> None:
                         torch.distributed.all_reduce(torch.zeros_like(p.grad))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        out.put((rank, [(f.detector, f.subsystem, f.where, f.step) for f in w.findings], sorted(w.not_applicable)))
+        out.put((rank, [(f.detector, f.subsystem, f.where, f.step) for f in w.findings], sorted(w.not_applicable),
+                 w.findings[0].message if w.findings else ""))
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("bug", [None, "not_averaged", "same_data"], ids=str)
+@pytest.mark.parametrize("bug", [None, "not_averaged", "same_data", "buffer_per_rank"], ids=str)
 def test_replicas_are_compared_across_ranks(bug, tmp_path):
     import torch.multiprocessing as mp
 
@@ -350,7 +355,9 @@ def test_replicas_are_compared_across_ranks(bug, tmp_path):
     procs = [ctx.Process(target=_rank_loop, args=(r, 2, init, bug, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict((r, (f, na)) for r, f, na in (out.get(timeout=120) for _ in procs))
+    got = [out.get(timeout=120) for _ in procs]
+    results = {r: (f, na) for r, f, na, _ in got}
+    messages = {r: m for r, _, _, m in got}
     for p in procs:
         p.join(30)
     assert all(p.exitcode == 0 for p in procs)
@@ -360,5 +367,8 @@ def test_replicas_are_compared_across_ranks(bug, tmp_path):
         assert findings == {0: [], 1: []}
     elif bug == "not_averaged":  # both ranks see it at the first check after the replicas diverged (step 1)
         assert findings[0] == findings[1] == [("bb_cross_rank", "distributed", "ranks", 1)]
-    else:
+    elif bug == "same_data":
         assert findings[0] == findings[1] == [("bb_cross_rank", "distributed", "data loader", 0)]
+    else:  # the buffers differ from the first check on; the replicas' parameters then drift apart too
+        assert findings[0][0] == findings[1][0] == ("bb_cross_rank", "distributed", "ranks", 0)
+        assert all("buffers differ" in m for m in messages.values())
