@@ -853,7 +853,7 @@ _CONTRACTS = (
        "evaluation covers the declared part of the split, each document once (no dropped last batch, no "
        "duplicates from padded shards)",
        "PyTorch docs, DistributedSampler (drop_last=False pads shards with repeated indices)",
-       BOTH),
+       BOTH, ("bb_eval_coverage",)),
     _c("eval.accounting.perplexity",
        "a reported perplexity is exp of the token-mean NLL it accompanies",
        "HF docs, 'Perplexity of fixed-length models'",

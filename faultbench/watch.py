@@ -156,6 +156,7 @@ class Watch:
         self._grad_handles: dict = {}
         self._eval_handles: list = []  # after exit: forward hooks for evaluations only (watch_evaluations)
         self._eval_call = False  # the forward in flight is an evaluation one (its hook time is not step time)
+        self._eval_docs = 0  # documents of the evaluation forwards since the last reported evaluation loss
         self._forward_hooks = (self._before_forward, self._after_forward)
         self._stale_check = self._guard(self._grad_arrives)  # hooked on a sampled step's first logits
         self.detectors = _instantiate(detectors)
@@ -202,6 +203,10 @@ class Watch:
         if loss is not None:
             self._losses.append(_scalar(loss))
         if eval_loss is not None:
+            if self.ctx.history:  # the evaluation just reported: how many documents it covered
+                record = self.ctx.history[-1]
+                record.eval_sizes = [*(record.eval_sizes or []), self._eval_docs]
+            self._eval_docs = 0
             self._fire("on_eval_loss", self.ctx, _scalar(eval_loss), across_ranks)
         if grad_norm is not None:
             self._fire("on_grad_norm", self.ctx, _scalar(grad_norm))
@@ -390,6 +395,7 @@ class Watch:
         if not hashes:
             return
         record = self.ctx.history[-1]
+        self._eval_docs += len(hashes)
         seen = sum(h in self.ctx.train_rows for h in hashes)
         record.evals = [(record.evals or [0, 0])[0] + len(hashes), (record.evals or [0, 0])[1] + seen]
 
@@ -587,6 +593,8 @@ def record_golden(runs, path=None) -> dict:
         golden["layout"], golden["max_len"] = None, None
     evals = [[sum(r.evals[i] for r in h if r.evals) for i in (0, 1)] for h in histories]
     golden["eval_overlap"] = max(seen / n for n, seen in evals) if all(n for n, _ in evals) else None
+    sizes = [{str(r.step): r.eval_sizes for r in h if r.eval_sizes} for h in histories]
+    golden["eval_sizes"] = sizes[0] if sizes[0] and all(s == sizes[0] for s in sizes) else None
     batches = [[b for r in h for b in r.batches] for h in histories]
     golden["repeats"] = max(len(b) - len(set(b)) for b in batches) if all(batches) else None
     if path is not None:

@@ -43,8 +43,9 @@ class StepRecord:
     after the step (a per-parameter "step" of its state; None for an optimizer without one); groups: on the
     first record of each watch only, the optimizer's param groups as configured (``WatchContext.group_config``).
     evals: [documents evaluated after the step (rows of evaluation forwards, one-token decoding steps left out), how
-    many of them the run had trained on], None without evaluation. ``step`` counts from the step the watch was
-    attached at (a resumed loop's)."""
+    many of them the run had trained on], None without evaluation; eval_sizes: the documents each evaluation that the
+    loop reported a loss for (``Watch.observe(eval_loss=...)``) covered, in order. ``step`` counts from the step the
+    watch was attached at (a resumed loop's)."""
 
     step: int
     loss: float | None
@@ -59,6 +60,7 @@ class StepRecord:
     opt_count: int | None = None
     groups: list[dict] | None = None
     evals: list[int] | None = None
+    eval_sizes: list[int] | None = None  # documents of each evaluation the loop reported a loss for after the step
     model: dict | None = None  # on the first record of each watch only: WatchContext.model_structure()
     sampled: bool = True  # a step the sampled measurements (the gradient norms) and checks looked at
 

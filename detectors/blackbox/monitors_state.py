@@ -335,6 +335,37 @@ class EvalOverlap(BlackBoxDetector):
 
 
 @register
+class EvalCoverage(BlackBoxDetector):
+    """Each reported evaluation covers the documents the known-good runs' evaluation after the same step covered
+    (``golden["eval_sizes"]``, where every known-good run agreed: the count is exact for a fixed split): fewer is a
+    dropped last batch or shard, more is documents evaluated twice (a sharded split padded with repeats and gathered
+    as they are). Documents are rows of two real tokens or more, counted by the watch (``StepRecord.eval_sizes``)."""
+
+    id = "bb_eval_coverage"
+    family = "eval"
+    description = "documents per reported evaluation vs the known-good runs' (none dropped, none repeated)"
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if not (ctx.golden or {}).get("eval_sizes"):
+            raise NotApplicable("no golden envelope whose runs agree on the evaluations' sizes")
+
+    def on_eval_loss(self, ctx: WatchContext, eval_loss: float, across_ranks: bool) -> None:
+        record = ctx.history[-1] if ctx.history else None
+        expected = ctx.golden["eval_sizes"].get(str(record.step)) if record and record.eval_sizes else None
+        if not expected or len(record.eval_sizes) > len(expected):
+            return
+        size, want = record.eval_sizes[-1], expected[len(record.eval_sizes) - 1]
+        if size != want:
+            what = ("fewer: documents are dropped (a last partial batch, a shard, a length filter)" if size < want
+                    else "more: documents are evaluated twice (a sharded split padded with repeats and gathered "
+                    "as is, or a batch fed twice)")
+            self.report_once("size", ctx, "eval", "eval",
+                             f"the evaluation reported after step {record.step} covered {size} documents where the "
+                             f"known-good runs' covered {want}, {what}", {"step": record.step, "documents": size,
+                                                                         "golden": want}, confidence=0.7)
+
+
+@register
 class CrossRank(BlackBoxDetector):
     """Across ranks (world size > 1, torch.distributed initialized): at the first training forward of the watch and
     of steps 1, 2, 4, 8, ... after it, an all-gather of a parameter fingerprint, a fingerprint of the floating

@@ -6,13 +6,13 @@ whole point of the step. Two ways a loop loses its updates without a crash: the 
 inner optimizer's step), or no step runs at all although the loop trains (the call removed, a scaler whose step
 never reaches the optimizer, another optimizer than the one watched). ``bb_updates_applied`` checks both:
 
-- on the watch's first ``CHECKED_STEPS`` steps, the norm of each parameter holding a non-zero gradient before the
-  step and after it: a step that changed none of them is a finding (groups at LR 0, as a warmup from 0 has at its
-  first step, are left out);
+- on the watch's first ``CHECKED_STEPS`` step with a non-zero gradient and LR, the norm of each parameter holding a
+  gradient before the step and after it: a step that changed none of them is a finding (groups at LR 0, as a warmup
+  from 0 has at its first step, are left out);
 - at the end, a run whose backwards reached the logits at least ``MIN_FORWARDS`` times and whose optimizer never
   stepped: the weights unchanged since the start (nothing updates them) or changed (something other than the
   watched optimizer does).
-Cost: two passes over the parameters on a few steps, one at the start and one at the end.
+Cost: two fused norms over the parameters on one step, one at the start and one at the end.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class UpdatesApplied(BlackBoxDetector):
     id = "bb_updates_applied"
     family = "optimizer"
     description = "an optimizer step changes the parameters it has gradients for; a training run steps at all"
-    CHECKED_STEPS = 2
+    CHECKED_STEPS = 1
     MIN_FORWARDS = 4  # training forwards whose logits need a gradient, before a run without a step is judged
 
     def __init__(self) -> None:
@@ -59,15 +59,13 @@ class UpdatesApplied(BlackBoxDetector):
             self.retire("on_forward")  # the run steps: counting forwards says nothing more
 
     def on_before_step(self, ctx: WatchContext) -> None:
-        held = [p for g in ctx.optimizer.param_groups if float(g.get("lr", 0.0)) > 0 for p in g["params"]
-                if p.grad is not None]
-        grads = _fingerprint([p.grad for p in held])
-        stepped = [p for p, norm in zip(held, grads, strict=True) if norm > 0]
+        stepped = [p for g in ctx.optimizer.param_groups if float(g.get("lr", 0.0)) > 0 for p in g["params"]
+                   if p.grad is not None]
         self._before = (stepped, _fingerprint(stepped)) if stepped else None
 
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
         before, self._before = self._before, None
-        if before is None or record.skipped:
+        if before is None or record.skipped or not record.grad_norm:  # the first steps' norms are measured
             return
         self._checked += 1
         if self._checked >= self.CHECKED_STEPS:
