@@ -37,6 +37,7 @@ class GradientCheck(BlackBoxDetector):
 
     id = "bb_gradient_check"
     family = "model"
+    passive = False  # it runs forwards of its own (a probe): its cost is counted apart from the overhead
     description = "finite differences of the model's forward vs the gradients the optimizer steps with (float64)"
     MAX_MICRO = 2
     DIRECTIONS = 3
