@@ -29,7 +29,7 @@ class Tokenizer:
         if None in (self.pad_id, self.bos_id, self.eos_id, self.unk_id):
             raise ValueError(f"tokenizer lacks one of the special tokens {SPECIAL_TOKENS}")
 
-    # the special ids under the names of the tokenizer protocol (Hugging Face's), which faultbench.watch reads
+    # the special ids under the names of the tokenizer protocol (Hugging Face's), as training tools read them
     @property
     def pad_token_id(self) -> int:
         return self.pad_id
