@@ -7,6 +7,7 @@ per worker and treated as read-only by the tests that share them.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,12 @@ torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # plain `pytest` (not `python -m pytest`) does not add the repo root
     sys.path.insert(0, str(ROOT))
+
+if os.environ.get("FAULTBENCH_STUB_DETECTOR"):  # one detector made a no-op: tests/detector_stub/ (mutation test)
+    sys.path.insert(0, str(ROOT / "tests" / "detector_stub"))
+    import faultbench_detector_stub  # noqa: E402
+
+    faultbench_detector_stub.activate()
 
 from faultbench.model.config import RunConfig, get_preset  # noqa: E402
 from faultbench.model.data import Corpus, load_corpus  # noqa: E402
