@@ -169,18 +169,8 @@ class _Replay:
         if half:
             cut = ids.shape[1] // 2
             ids, kwargs = ids[:, :cut], {k: v[:, :cut] for k, v in kwargs.items()}
-        failed = []
-
-        def call():
-            try:
-                self._call(ids, kwargs)
-            except Exception:
-                failed.append(True)
-                raise
-
         with self.ctx.probe():
-            where = raised_in(self.ctx.model, call)
-        return (where or "") if failed else None
+            return raised_in(self.ctx.model, lambda: self._call(ids, kwargs))
 
     def _call(self, ids: torch.Tensor, kwargs: dict) -> None:
         """The model called the way the loop calls it: by keyword where its forward names its input ids."""

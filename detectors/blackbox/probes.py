@@ -224,7 +224,8 @@ def glimpsed(model: torch.nn.Module):
 
 def raised_in(model: torch.nn.Module, call: Callable[[], object]) -> str | None:
     """The path of the innermost submodule of ``model`` still running when ``call()`` raised (module hooks: a
-    pre-hook pushes the module, a completed forward pops it), or None when it does not raise."""
+    pre-hook pushes the module, a completed forward pops it; "" when the model's own code raised), or None when it
+    does not raise."""
     stack: list[str] = []
     handles = []
     for name, module in model.named_modules():
@@ -234,7 +235,7 @@ def raised_in(model: torch.nn.Module, call: Callable[[], object]) -> str | None:
     try:
         call()
     except Exception:  # noqa: BLE001 - the error is the caller's; only where it happened is asked
-        return stack[-1] if stack else None
+        return stack[-1] if stack else ""
     finally:
         for h in handles:
             h.remove()
@@ -322,7 +323,7 @@ class ProbeRound:
                 positions[self._plain_rows["shifted"]] += SHIFT
                 positions[self._plain_rows["spread"], self.cut:] += SHIFT  # a gap in the positions at ``cut``
             if self._unmasked_error is None and self.lm.unpadded_error is not None:
-                where = raised_in(self.lm.model, lambda: self.lm.logits(self.ids))
+                where = raised_in(self.lm.model, lambda: self.lm.logits(self.ids)) or None
                 self._unmasked_error = (self.lm.unpadded_error, where)
             if self._unmasked_error is not None:
                 raise NotApplicable(f"the model raises on an unpadded batch ({self._unmasked_error[0]})")
@@ -343,7 +344,7 @@ class ProbeRound:
                 batch = torch.cat(list(rows.values()))
                 self._plain = self._forward(batch, None, positions[: len(rows)] if positions is not None else None)
             except Exception as exc:  # noqa: BLE001 - the model fails on the plainest call: causality says so
-                self._unmasked_error = (exc, raised_in(self.lm.model, lambda: self.lm.logits(self.ids)))
+                self._unmasked_error = (exc, raised_in(self.lm.model, lambda: self.lm.logits(self.ids)) or None)
                 raise NotApplicable(f"the model raises on an unpadded batch ({exc})") from exc
         return self._plain
 
