@@ -77,6 +77,7 @@ class BenchConfig:
     use_cache: bool = True
     timeout_s: float = CASE_TIMEOUT_S
     progress: bool = True
+    blind: bool = False  # a blind set: nothing printed names a case (its fault ids stay with the set's authors)
     bundles: Path | None = None  # a repro bundle per case where a detector fired (every case is run anew)
     command: tuple[str, ...] = ()  # the command line, recorded in the bundles
 
@@ -238,13 +239,14 @@ def preload(cases: list[Case]) -> tuple[str, ...]:
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.done, self.start = total, enabled, 0, time.monotonic()
+    def __init__(self, total: int, enabled: bool, named: bool = True):
+        self.total, self.enabled, self.named, self.done, self.start = total, enabled, named, 0, time.monotonic()
 
     def update(self, label: str) -> None:
         self.done += 1
         if not self.enabled:
             return
+        label = label if self.named else ""
         elapsed = time.monotonic() - self.start
         eta = elapsed / self.done * (self.total - self.done)
         width = 30
@@ -286,7 +288,7 @@ def read_cached(path: Path, case: Case) -> dict | None:
         problem = str(e)
     if problem is None:
         return record
-    print(f"faultbench: discarding the bad cache entry {path} ({problem}); running {case.name} again",
+    print(f"faultbench: discarding the bad cache entry {path} ({problem}); running the case again",
           file=sys.stderr)
     path.unlink(missing_ok=True)
     return None
@@ -327,7 +329,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         raise ValueError("the bench matrix is empty (no fault and no clean case to run): nothing written")
     digest = code_digest(cfg.plugins)
     records, todo = cached_or_todo(cases, digest, cfg.use_cache and cfg.bundles is None)
-    progress = Progress(len(cases), cfg.progress)
+    progress = Progress(len(cases), cfg.progress, named=not cfg.blind)
     for case in records:
         progress.update(f"cached {case.name}")
 

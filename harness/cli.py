@@ -343,7 +343,8 @@ def _bench(args) -> int:
                       per_subsystem=1 if args.quick and not args.fault else None,
                       only_plugin_faults=args.only_plugin_faults, faults=tuple(args.fault) if args.fault else None,
                       jobs=args.jobs, out=Path(args.out), use_cache=not args.no_cache, progress=not args.json,
-                      bundles=Path(args.bundles) if args.bundles else None, command=tuple(args.command_line))
+                      blind=args.blind, bundles=Path(args.bundles) if args.bundles else None,
+                      command=tuple(args.command_line))
     if args.fault:
         from faultbench.faults.registry import get_fault, load_plugin
 
@@ -353,7 +354,13 @@ def _bench(args) -> int:
             get_fault(fault_id)
     summary = run_bench(cfg)
     timings = json.loads((Path(args.out) / "timings.json").read_text())
-    print_table(summary, all_detectors(), timings, file=sys.stderr if args.json else sys.stdout)
+    if args.blind:  # the aggregates only: the detector table and blind spots would name what the set missed
+        from faultbench.harness.sets import aggregates_only
+
+        summary = aggregates_only(summary)
+        print(json.dumps(summary["targets"], indent=1), file=sys.stderr if args.json else sys.stdout)
+    else:
+        print_table(summary, all_detectors(), timings, file=sys.stderr if args.json else sys.stdout)
     _mutant_reports(args)
     print(f"results written to {args.out}/ (scores: bench.csv, summary.json, leaderboard.md, heatmap.png; "
           "timings: timings.csv, timings.json)", file=sys.stderr if args.json else sys.stdout)
@@ -564,6 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plugin", action="append", help="load faults/detectors from a .py file or module")
     bench.add_argument("--only-plugin-faults", action="store_true", help="score only the plugins' faults")
     bench.add_argument("--fault", action="append", help="only this fault (repeatable)")
+    bench.add_argument("--blind", action="store_true",
+                       help="a blind set: progress, table and messages name no case, fault or detector (aggregates "
+                            "only; the full scores are still written to --out for the set's authors)")
     bench.add_argument("--detectors", nargs="+", metavar="ID", help="detector ids, 'all' (default), 'suite'")
     bench.add_argument("--jobs", type=_positive_int, default=2, help="cases run in parallel (default 2)")
     bench.add_argument("--mutants", action="store_true",

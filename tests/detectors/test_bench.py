@@ -235,3 +235,12 @@ def _csv(path):
 
     with open(path) as f:
         return list(csv.DictReader(f))
+
+
+def test_a_blind_bench_names_no_case_in_its_progress(capsys):
+    from faultbench.harness.bench import Progress
+
+    for named in (True, False):
+        Progress(2, enabled=True, named=named).update("blind_fault_x-s0")
+    first, second = capsys.readouterr().err.split("\r")[1:]
+    assert "blind_fault_x" in first and "blind_fault_x" not in second and "1/2" in second
