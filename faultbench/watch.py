@@ -182,6 +182,7 @@ class Watch:
         self.step_seconds: dict[str, float] = {}
         self.other_seconds: dict[str, float] = {}
         self._fired_s = 0.0
+        self._firing = 0  # detectors running now: what they do to the model (a state_dict copy) is not the loop's
 
     # ---- public
     @property
@@ -258,6 +259,12 @@ class Watch:
                           model.register_forward_hook(self._guard(self._after_forward)),
                           optimizer.register_step_pre_hook(self._guard(self._before_step)),
                           optimizer.register_step_post_hook(self._guard(self._after_step))]
+        # a state read or loaded between steps by the loop (not by a detector) is a checkpoint being saved or restored
+        checkpointing = self._guard(self._checkpointing)
+        self._handles += [model.register_state_dict_pre_hook(checkpointing),
+                          model.register_load_state_dict_pre_hook(checkpointing),
+                          optimizer.register_state_dict_pre_hook(checkpointing),
+                          optimizer.register_load_state_dict_pre_hook(checkpointing)]
         if self.ctx.scaler_enabled:  # the backward's norm is read only where clipping before unscale_ is possible
             self._grad_handles = {id(p): p.register_post_accumulate_grad_hook(self._guard(self._grad_accumulated))
                                   for p in self._trainable}
@@ -301,6 +308,10 @@ class Watch:
             return None
 
         return hook
+
+    def _checkpointing(self, *args) -> None:
+        if not self._firing and self.ctx.phase in ("setup", "between steps", "checkpoint"):
+            self.ctx.phase = "checkpoint"
 
     def _before_forward(self, module, args, kwargs) -> None:
         self._eval_call = not (torch.is_grad_enabled() and module.training)
@@ -485,6 +496,13 @@ class Watch:
         """Call ``hook`` on the detectors ``_listening`` to it."""
         timer = self.step_seconds if hook in _STEP_HOOKS else self.other_seconds
         end = time.perf_counter()
+        self._firing += 1
+        try:
+            self._fire_each(hook, timer, end, args)
+        finally:
+            self._firing -= 1
+
+    def _fire_each(self, hook: str, timer: dict, end: float, args: tuple) -> None:
         for det, method in self._listening(hook):
             start = end  # one clock reading between two detectors: each is timed to the next one's start
             try:

@@ -98,8 +98,9 @@ class WatchContext:
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
         # where the loop is in its step (what a crash interrupted): "setup" (no forward yet), "forward" (a training
         # forward), "backward" (after it: the loss, backward, clipping), "step" (the optimizer's), "between steps"
-        # (the scheduler, the next batch, logging, saving), "eval forward" / "evaluation" (in / after a forward
-        # without grad, until the next training forward or step)
+        # (the scheduler, the next batch, logging), "checkpoint" (the loop read or loaded the model's or optimizer's
+        # state since: saving or restoring), "eval forward" / "evaluation" (in / after a forward without grad, until
+        # the next training forward or step)
         self.phase = "setup"
         # evaluations after the watch's exit are watched too (``Watch.watch_evaluations``): their checks may still come
         self.evaluations_follow = False

@@ -8,9 +8,10 @@ the batch, or the model. ``bb_crash_site`` answers from behaviour, never from th
 2. a library component that raised it (its files: the loss scaler, the optimizer, the scheduler, the collectives,
    serialization, the data loader, and in the loader whether the dataset or the collate function raised);
 3. the phase of the step it interrupted (``WatchContext.phase``): before the first forward (building the first
-   batch: data), in the optimizer's step (optimizer), after a training forward and before the step (the loss, its
-   backward, clipping: the loss unless the backward raised), after an evaluation forward (evaluation), between
-   steps (the next batch: data);
+   batch: data; of a loop resumed past step 0: the checkpoint), while the loop reads or loads the model's or the
+   optimizer's state between steps (the checkpoint), in the optimizer's step (optimizer), after a training forward
+   and before the step (the loss, its backward, clipping: the loss unless the backward raised), after an evaluation
+   forward (evaluation), between steps (the next batch: data);
 4. inside a forward, the forward replayed on the crash's batch (no grad, eval mode, RNG restored): the innermost
    module still running when it raises (module hooks on the replay only), and which input it depends on: without
    the attention mask it runs (mask), without the position ids (position), on the first half of the columns
@@ -41,6 +42,10 @@ BACKWARD = ("torch/autograd/", "torch/_tensor.py")  # a backward's frames
 # what a crash outside any forward says, by the phase it interrupted: (subsystem, where, what ran there)
 PHASES = {
     "setup": ("data", "batch", "the loop was building its first batch (no training forward had run)"),
+    "resuming": ("checkpoint", "checkpoint", "the loop was resuming from a checkpoint (it had not run a training "
+                 "forward since its restore)"),
+    "checkpoint": ("checkpoint", "checkpoint", "the loop was saving or restoring a checkpoint (it had read or loaded "
+                   "the model's or the optimizer's state since its last step)"),
     "between steps": ("data", "batch", "the loop was between optimizer steps (its next batch, its schedule)"),
     "backward": ("loss", "loss", "a training forward had returned and the optimizer had not stepped: the loop was "
                  "computing the loss from the model's output"),
@@ -150,6 +155,8 @@ class CrashSite(BlackBoxDetector):
             return ("model", "", "in the backward of a training step: the graph its forward built cannot be "
                     "differentiated (an in-place change of a saved tensor, a dtype or shape the backward rejects)",
                     {}, 0.45)
+        if phase == "setup" and ctx.start_step > 0:  # a loop that starts past step 0 was restored
+            phase = "resuming"
         if phase not in PHASES:
             return None
         subsystem, where, during = PHASES[phase]

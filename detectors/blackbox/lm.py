@@ -170,19 +170,7 @@ class CausalLM:
         """Greedy decoding through the model's own ``generate`` (its cache, its decode positions) ->
         (sequences (B, T + new_tokens), the raw logits each decode call gave for its last position
         (B, new_tokens, V) float, caught by a forward hook on the model); None when the model has no ``generate``
-        or it returns no sequence of that length.
-        HF style (``generation_config``): ``do_sample=False``; else only ``max_new_tokens``."""
-        if not self.has_generate:
-            return None
-        generate = self.model.generate
-        names = _accepted_fn(generate)
-        if "generation_config" in names:  # transformers' GenerationMixin
-            kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-                      "use_cache": True}
-        else:  # its own defaults (greedy or sampled: the comparison is teacher-forced on what it generated)
-            kwargs = {"max_new_tokens": new_tokens}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
+        or it returns no sequence of that length."""
         steps: list[torch.Tensor] = []
 
         def catch(module, args, output):
@@ -192,15 +180,34 @@ class CausalLM:
 
         handle = self.model.register_forward_hook(catch)
         try:
-            out = generate(input_ids, **kwargs)
+            sequences = self.generated(input_ids, attention_mask, new_tokens)
         finally:
             handle.remove()
-        sequences = getattr(out, "sequences", out)
-        if not isinstance(sequences, torch.Tensor) or sequences.shape[1] != input_ids.shape[1] + new_tokens:
-            return None
-        if len(steps) < new_tokens:
+        if sequences is None or sequences.shape[1] != input_ids.shape[1] + new_tokens or len(steps) < new_tokens:
             return None
         return sequences, torch.stack(steps[:new_tokens], dim=1)
+
+    @property
+    def greedy_declared(self) -> bool:
+        """Whether ``generated`` asks for greedy decoding by name (transformers' ``do_sample=False``); else the
+        model's ``generate`` runs with its own defaults."""
+        return "generation_config" in _accepted_fn(self.model.generate)
+
+    def generated(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, new_tokens: int = 8
+                  ) -> torch.Tensor | None:
+        """The sequences (B, T + new) the model's own ``generate`` returns for ``new_tokens`` tokens, as it
+        returns them (None without a ``generate`` or a tensor of sequences). HF style (``generation_config``):
+        greedy, one beam, exactly ``new_tokens``; else only ``max_new_tokens``."""
+        if not self.has_generate:
+            return None
+        kwargs = {"max_new_tokens": new_tokens}
+        if self.greedy_declared:  # transformers' GenerationMixin
+            kwargs |= {"min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1, "use_cache": True}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        out = self.model.generate(input_ids, **kwargs)
+        sequences = getattr(out, "sequences", out)
+        return sequences if isinstance(sequences, torch.Tensor) and sequences.dim() == 2 else None
 
 
 def _accepted_fn(fn) -> frozenset[str]:

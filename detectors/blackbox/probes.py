@@ -35,6 +35,8 @@ ROWS, LENGTH, MIN_LEN = 1, 12, 8  # a round probes one row of the loop's batch: 
 PAD_LEN = 3  # pads added on each side in the padding probe
 SHIFT = 3  # positions added in the position-shift probe
 PROMPT_LEN, NEW_TOKENS = 8, 2  # the cache probe's prompt (real tokens) and the tokens generate decodes
+GEN_TOKENS = 4  # the generation probe's new tokens (past the first decode step, where a stale step shows)
+ARGMAX_MARGIN = 0.01  # a greedy token this far (a fraction of the logits' range) below the best one was not picked
 SCALE_FACTOR = 2.0  # a next-token loss over this many times ln V before training: logits far too large
 COARSE = 1e-3  # a round's tolerance above this: its forwards ran in bf16 / fp16
 
@@ -621,6 +623,49 @@ class ProbeRound:
                            {"per_token_gap": dict(zip(("unpadded", "left_padded"), gaps, strict=False)),
                             "tolerance": tol})
 
+    def _generation(self) -> ProbeResult | None:
+        """Greedy generation from the unpadded prompt: it returns the prompt unchanged and then exactly the tokens
+        asked for, each the argmax of one forward over the sequence so far (its own next-token prediction)."""
+        lm = self.lm
+        if not lm.has_generate:
+            raise NotApplicable("the model has no generate of its own")
+        prompt = self.ids[:, :PROMPT_LEN]
+        try:
+            sequences = lm.generated(prompt, None, GEN_TOKENS)
+        except Exception as exc:  # noqa: BLE001 - said once in the report, not as a finding of unknown place
+            raise NotApplicable(f"the model's generate raises {type(exc).__name__}: {exc}") from exc
+        if sequences is None:
+            raise NotApplicable("the model's generate returns no tensor of sequences")
+        T, asked = prompt.shape[1], GEN_TOKENS
+        got = sequences.shape[1] - T
+        if not torch.equal(sequences[:, :T].to(prompt.device), prompt) or got > asked or (
+                got < asked and lm.greedy_declared):
+            return ProbeResult("generation", float(abs(got - asked)), "generate", "model",
+                               f"the model's generate was asked for {asked} new tokens after a {T}-token prompt "
+                               f"and returned {sequences.shape[1]} tokens"
+                               + ("" if torch.equal(sequences[:, :T].to(prompt.device), prompt)
+                                  else ", the prompt among them changed"), {"asked": asked, "returned": got})
+        full = self._forward(sequences.to(prompt.device)).logits[0, T - 1: T - 1 + got].float()  # (got, V)
+        chosen = sequences[0, T: T + got].to(full.device)
+        best = full.max(-1).values
+        margin = (best - full.gather(-1, chosen[:, None]).squeeze(-1)) / (best - full.min(-1).values).clamp_min(1e-9)
+        wrong = [k for k in range(got) if float(margin[k]) > ARGMAX_MARGIN]
+        if not wrong:
+            return None
+        if not lm.greedy_declared:  # its own defaults: greedy only if decoding again under another seed agrees
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(torch.initial_seed() + 1)
+                again = lm.generated(prompt, None, GEN_TOKENS)
+            if again is None or not torch.equal(again, sequences):
+                raise NotApplicable("the model's generate samples by default: its tokens need not be the argmax")
+        k = wrong[0]
+        return ProbeResult("generation", float(margin[k]), "generate", "model",
+                           f"the model's greedy generate emitted, as new token {k + 1} of {got}, a token that is not "
+                           f"the most likely next token of one forward over the same sequence (it trails the best by "
+                           f"{float(margin[k]):.0%} of the logits' range; {len(wrong)} of {got} new tokens so): its "
+                           "decode loop picks from the wrong logits or a stale step",
+                           {"new_tokens": got, "not_argmax": wrong, "margin": float(margin[k])})
+
     def _teacher_forced_agrees(self, ids: torch.Tensor, mask: torch.Tensor | None, prompt: int, tol: float) -> bool:
         """The generated ``ids`` through ``past_key_values`` (the prompt in one call, then token by token, positions
         left to the model) give the logits of one forward in the same convention (mask, no positions)."""
@@ -646,7 +691,8 @@ GATES = {"output_contract": ("determinism",), "causality": ("determinism",), "po
          "positions_used": ("determinism",),
          "attention_distribution": ("determinism", "positions_used"),
          "padding_invariance": ("determinism", "causality", "positions_used"),
-         "cache_consistency": ("determinism", "causality", "padding_invariance", "positions_used")}
+         "cache_consistency": ("determinism", "causality", "padding_invariance", "positions_used"),
+         "generation": ("determinism", "causality")}
 
 
 # the single-probe API (one round per call): what tests and a user's own checks call
@@ -661,9 +707,9 @@ def _single(probe: str):
 
 
 PROBES = ("determinism", "output_contract", "causality", "padding_invariance", "position_shift", "positions_used",
-          "attention_distribution", "cache_consistency")
+          "attention_distribution", "cache_consistency", "generation")
 determinism, output_contract, causality, padding_invariance, position_shift, positions_used, attention_distribution, \
-    cache_consistency = (_single(p) for p in PROBES)
+    cache_consistency, generation = (_single(p) for p in PROBES)
 
 
 # ---- label alignment: the loop's loss vs next-token NLL from the same logits ----
@@ -780,7 +826,8 @@ def round_result(ctx, probe: str, full: bool = False) -> ProbeResult | None:
 
 class _ActiveProbe(BlackBoxDetector):
     """Runs its probe of the shared round once, before the loop's first optimizer step (findings carry step 0),
-    on the batch that step trains on; if that batch is too short, before a later step, or at the end. A probe
+    on the batch that step trains on; if that batch is too short, before a later step, or at the end (an ``AT_END``
+    probe still silent: at the end again, on the trained model). A probe
     silent in a round whose forwards ran in a coarse dtype (bf16, fp16) runs again at once in full precision when the
     model's weights are float32 (``fits_full_precision``). A ``RECHECK`` probe still silent runs again at the end: an
     untrained model's faint position or context dependence stays under that rounding, a trained one's does not."""
@@ -789,6 +836,7 @@ class _ActiveProbe(BlackBoxDetector):
     PROBE: str
     CONFIDENCE = 0.7
     RECHECK = False  # a faint dependence an untrained model hides under bf16 rounding: checked again at the end
+    AT_END = False  # a property an untrained model may keep by chance: checked again at the end, trained
 
     def __init__(self) -> None:
         super().__init__()
@@ -800,7 +848,7 @@ class _ActiveProbe(BlackBoxDetector):
                 self._run(ctx)
 
     def on_end(self, ctx) -> None:
-        if not self.done or (self.RECHECK and self.coarse and not self.findings):
+        if not self.done or ((self.AT_END or self.RECHECK and self.coarse) and not self.findings):
             with contextlib.suppress(ShortBatch):
                 self._run(ctx)
 
@@ -863,6 +911,16 @@ class BlackBoxCache(_ActiveProbe):
     family = "position"
     description = "the model's own generate (its KV cache, its decode positions) vs one forward over what it generated"
     PROBE = "cache_consistency"
+
+
+@register
+class BlackBoxGeneration(_ActiveProbe):
+    id = "bb_generation"
+    family = "model"
+    description = ("the model's own greedy generate: the prompt kept, the tokens asked for, each the argmax of one "
+                   "forward over the sequence so far")
+    PROBE = "generation"
+    AT_END = True  # an untrained tied model predicts its input token again, as a stale decode step repeats it
 
 
 @register

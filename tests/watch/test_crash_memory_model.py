@@ -129,6 +129,51 @@ def test_a_crash_outside_any_forward_is_localized_by_the_phase_it_interrupted(ph
     assert w.findings[0].evidence["phase"] == phase_of
 
 
+def _save(model, optimizer) -> dict:
+    """A user's checkpoint whose last part raises (an RNG state it cannot serialize, say)."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    raise TypeError(f"cannot serialize the checkpoint's extra state ({len(state)} parts written)")
+
+
+def test_a_crash_while_the_loop_saves_or_restores_its_state_is_the_checkpoints():
+    """Between steps, a crash after the loop read the model's and optimizer's state is a save's; a loop watched
+    from a restored step that raises before its first forward is a resume's; a plain crash between steps is not."""
+    idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+    for case, expected in (("save", "checkpoint"), ("resume", "checkpoint"), ("between steps", "data")):
+        model = TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        w = faultbench.watch(model, optimizer, report=False, detectors=["bb_crash_site"],
+                             step=5 if case == "resume" else 0)
+        with pytest.raises(TypeError), w:
+            if case != "resume":
+                F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+                optimizer.step()
+            if case == "between steps":
+                raise TypeError("the loop's own bookkeeping")
+            _save(model, optimizer)
+        assert [f.subsystem for f in w.findings] == [expected], case
+
+
+def test_a_state_read_by_a_detector_is_not_a_checkpoint():
+    """A detector may copy the model's state inside its hook (``Watch._firing`` counts those running): the loop's
+    phase stays; the loop's own read between steps is a checkpoint's, inside a step it is not."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = faultbench.watch(model, optimizer, report=False)
+    idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+    with w:
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        w._firing += 1  # as inside a detector's hook
+        model.state_dict()
+        w._firing -= 1
+        assert w.ctx.phase == "backward"
+        model.state_dict()  # the loop's own read
+        assert w.ctx.phase == "backward"  # inside a step, a state read is not a checkpoint either
+        optimizer.step()
+        model.state_dict()
+        assert w.ctx.phase == "checkpoint"
+
+
 def _loop(parts, detectors, *, golden=None, steps=STEPS, keep_losses=False):
     """The usual loop (test_monitors' batches) under a watch with ``detectors``; ``keep_losses``: the loop logs each
     step's loss as the tensor itself (its graph with it)."""

@@ -112,7 +112,7 @@ def test_silent_on_clean_nanogpt_and_not_applicable_where_it_takes_no_such_call(
     assert run_probes(nano(seed), x) == {"determinism": None, "output_contract": None, "causality": None,
                                          "padding_invariance": "n/a", "position_shift": "n/a",
                                          "positions_used": "n/a", "attention_distribution": "n/a",
-                                         "cache_consistency": "n/a"}
+                                         "cache_consistency": "n/a", "generation": "n/a"}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -265,11 +265,12 @@ def forwards_of_a_round(lm: CausalLM, batch: torch.Tensor) -> int:
 
 
 def test_a_clean_round_costs_a_fixed_handful_of_forwards():
-    """HF: the plain and the padded forward, generate's NEW_TOKENS calls, one forward over what it generated;
+    """HF: the plain and the padded forward, generate's NEW_TOKENS calls, one forward over what it generated, and
+    the generation probe's GEN_TOKENS calls and its forward over them;
     nanoGPT (no mask, positions or generate): the plain forward only. Wall time printed for the report."""
     hf, nanogpt_lm = CausalLM.wrap(llama(0)), nano(0)
-    assert forwards_of_a_round(hf, ids(64, (4, 16))) == 3 + probes.NEW_TOKENS
-    assert forwards_of_a_round(ref_gpt(0), ids(64, (4, 16))) == 3 + probes.NEW_TOKENS
+    assert forwards_of_a_round(hf, ids(64, (4, 16))) == 4 + probes.NEW_TOKENS + probes.GEN_TOKENS
+    assert forwards_of_a_round(ref_gpt(0), ids(64, (4, 16))) == 4 + probes.NEW_TOKENS + probes.GEN_TOKENS
     assert forwards_of_a_round(nanogpt_lm, nano_batch(0)[0]) == 1
     timings = {}
     for name, lm, batch in (("hf", hf, ids(64, (4, 16))), ("nanogpt", nanogpt_lm, nano_batch(0)[0])):
@@ -321,7 +322,7 @@ def hf_trainer_run(tmp_path_factory):
 
 PROBE_DETECTORS = ["bb_eval_determinism", "bb_output_contract", "bb_causality", "bb_padding_invariance",
                    "bb_cache_consistency", "bb_position_shift", "bb_positions_used", "bb_attention_distribution",
-                   "bb_label_alignment"]
+                   "bb_label_alignment", "bb_generation"]
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "bf16", "left_pad"])
