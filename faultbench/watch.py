@@ -285,6 +285,13 @@ class Watch:
         self._eval_handles = [model.register_forward_pre_hook(self._guard(self._before_forward), with_kwargs=True),
                               model.register_forward_hook(self._guard(self._after_forward))]
 
+    def crashed(self, exc: BaseException) -> None:
+        """After exit, while evaluations are watched (``watch_evaluations``): the loop crashed in one (a
+        ``trainer.evaluate()`` after ``train()`` raised ``exc``); the detectors' ``on_crash`` locate it and their
+        findings join ``findings``. Call it from the ``except`` around that evaluation."""
+        if self._eval_handles:
+            self._fire("on_crash", self.ctx, {**_crash(exc), "phase": self.ctx.phase})
+
     def stop_watching_evaluations(self) -> None:
         for handle in self._eval_handles:
             handle.remove()

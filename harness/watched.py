@@ -79,9 +79,12 @@ class Watched:
             self.current.observe(eval_loss=eval_loss)
 
     def finish(self, exc: BaseException | None = None) -> None:
-        """End the attached watch, if any: normally, or with the run's exception (its detectors' ``on_crash``)."""
+        """End the attached watch, if any: normally, or with the run's exception (its detectors' ``on_crash``); with
+        none attached, the exception of an evaluation after training goes to the last watch (``Watch.crashed``)."""
         if self.current is not None:
             self.current.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        elif exc is not None and self.watches:  # an evaluation after training, still watched, raised
+            self.watches[-1].crashed(exc)
 
     def merge_into(self, out: dict) -> None:
         """Add the black-box findings, errors, not-applicable reasons and hook times to a case record."""

@@ -7,16 +7,19 @@ the batch, or the model. ``bb_crash_site`` answers from behaviour, never from th
 1. the batch: token ids outside the vocabulary, or longer than any batch trained on (and the golden's) -> data;
 2. a library component that raised it (its files: the loss scaler, the optimizer, the scheduler, the collectives,
    serialization, the data loader, and in the loader whether the dataset or the collate function raised);
-3. the phase of the step it interrupted (``WatchContext.phase``): before the first forward (building the first
-   batch: data; of a loop resumed past step 0: the checkpoint), while the loop reads or loads the model's or the
-   optimizer's state between steps (the checkpoint), in the optimizer's step (optimizer), after a training forward
-   and before the step (the loss, its backward, clipping: the loss unless the backward raised), after an evaluation
-   forward (evaluation), between steps (the next batch: data);
-4. inside a forward, the forward replayed on the crash's batch (no grad, eval mode, RNG restored): the innermost
+3. inside a forward, the forward replayed on the crash's batch (no grad, eval mode, RNG restored): the innermost
    module still running when it raises (module hooks on the replay only), and which input it depends on: without
    the attention mask it runs (mask), without the position ids (position), on the first half of the columns
    (position: the model's positions do not cover the length), not at all (model); a forward that raises in the
-   loop but not in the replay raised on what the replay leaves out (labels: the loss; else train mode: model).
+   loop but not in the replay raised on what the replay leaves out (labels: the loss; else train mode: model);
+4. outside any forward, a training framework's component running (transformers' Trainer and data collators,
+   accelerate): the innermost one on the stack, by what each does per its documentation (saving and loading
+   checkpoints, evaluating, the loss, the optimizer and scheduler, the loaders, mixed precision, the collectives);
+5. the phase of the step it interrupted (``WatchContext.phase``): before the first forward (building the first
+   batch: data; of a loop resumed past step 0: the checkpoint), while the loop reads or loads the model's or the
+   optimizer's state between steps (the checkpoint), in the optimizer's step (optimizer), after a training forward
+   and before the step (the loss, its backward, clipping: the loss unless the backward raised), after an evaluation
+   forward (evaluation), between steps (the next batch: data).
 """
 
 from __future__ import annotations
@@ -35,6 +38,33 @@ LIBRARY_SITES = (
     ("torch/optim/lr_scheduler.py", "optimizer", "scheduler"), ("torch/optim/", "optimizer", "optimizer"),
     ("torch/nn/parallel/", "distributed", "ranks"), ("torch/distributed/", "distributed", "ranks"),
     ("torch/serialization.py", "checkpoint", "checkpoint"), ("safetensors/", "checkpoint", "checkpoint"),
+)
+# the training frameworks' components, by file and (where one file holds many) function: what each does per its
+# documentation (transformers' Trainer, accelerate), never a model's code; the innermost one on the stack is named
+COMPONENTS = (
+    ("transformers/trainer.py", "checkpoint", (
+        "_save_checkpoint", "_save_optimizer_and_scheduler", "_save_rng_state", "_save_scaler", "save_model", "_save",
+        "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state", "_load_scaler",
+        "_load_best_model", "_rotate_checkpoints", "_sorted_checkpoints", "_init_training_state")),
+    ("transformers/trainer.py", "eval", (
+        "evaluate", "_evaluate", "evaluation_loop", "prediction_step", "get_eval_dataloader", "predict",
+        "get_test_dataloader")),
+    ("transformers/trainer.py", "loss", ("compute_loss", "_get_num_items_in_batch")),
+    ("transformers/trainer.py", "optimizer", (
+        "create_optimizer", "create_scheduler", "create_optimizer_and_scheduler", "get_decay_parameter_names",
+        "get_optimizer_cls_and_kwargs")),
+    ("transformers/trainer.py", "data", (
+        "get_train_dataloader", "_get_train_sampler", "_get_dataloader", "get_batch_samples",
+        "_remove_unused_columns")),
+    ("transformers/data/data_collator.py", "collate", None), ("transformers/loss/", "loss", None),
+    ("transformers/optimization.py", "optimizer", None),
+    ("accelerate/data_loader.py", "checkpoint", ("skip_first_batches",)), ("accelerate/data_loader.py", "data", None),
+    ("accelerate/optimizer.py", "optimizer", None), ("accelerate/scheduler.py", "optimizer", None),
+    ("accelerate/accelerator.py", "optimizer", ("clip_grad_norm_", "clip_grad_value_")),
+    ("accelerate/accelerator.py", "checkpoint", ("save_state", "load_state", "save_model")),
+    ("accelerate/accelerator.py", "distributed", ("prepare_model", "no_sync", "gather", "reduce")),
+    ("accelerate/utils/operations.py", "distributed", None),
+    ("accelerate/utils/modeling.py", "precision", ("get_mixed_precision_context_manager",)),
 )
 FETCH = "torch/utils/data/_utils/fetch.py"  # the loader's fetch: dataset items, then the collate function
 BACKWARD = ("torch/autograd/", "torch/_tensor.py")  # a backward's frames
@@ -80,7 +110,7 @@ class CrashSite(BlackBoxDetector):
         what = f"the run crashed ({crash['type']}: {crash['message'][:160]})"
         frames = crash.get("frames") or []
         phase = crash.get("phase")
-        for locate in (self._batch, self._library, self._forward, self._phase):
+        for locate in (self._batch, self._library, self._forward, self._component, self._phase):
             found = locate(ctx, frames, phase)
             if found is not None:
                 subsystem, where, why, evidence, confidence = found
@@ -149,6 +179,16 @@ class CrashSite(BlackBoxDetector):
         module = f"in {where}, the innermost module running" if where else "in the model's own forward"
         return ("model", where, f"{module}; replayed on the crash's batch it raises again, with or without the "
                 "mask and positions and on half the length: the model's code", {"module": where}, 0.55)
+
+    def _component(self, ctx: WatchContext, frames: list, phase: str | None):
+        for frame in reversed(frames):  # innermost first
+            path, name = _path(frame), frame[2]
+            for site, subsystem, functions in COMPONENTS:
+                if site in path and (functions is None or name in functions):
+                    module = path.split("site-packages/")[-1].removesuffix(".py").replace("/", ".")
+                    return (subsystem, f"{module}.{name}", f"in {module}.{name}, the framework's {subsystem} "
+                            "component, the innermost one running", {"frame": path, "function": name}, 0.45)
+        return None
 
     def _phase(self, ctx: WatchContext, frames: list, phase: str | None):
         if phase == "backward" and any(b in _path(f) for f in frames for b in BACKWARD):

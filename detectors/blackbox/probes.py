@@ -624,8 +624,10 @@ class ProbeRound:
                             "tolerance": tol})
 
     def _generation(self) -> ProbeResult | None:
-        """Greedy generation from the unpadded prompt: it returns the prompt unchanged and then exactly the tokens
-        asked for, each the argmax of one forward over the sequence so far (its own next-token prediction)."""
+        """Greedy generation from the unpadded prompt: it returns the prompt unchanged and then the tokens asked for
+        (exactly as many where transformers' ``min_new_tokens`` asks); a model's own decode loop (not transformers',
+        whose generation config may process the logits) picks each the argmax of one forward over the sequence so
+        far (its own next-token prediction)."""
         lm = self.lm
         if not lm.has_generate:
             raise NotApplicable("the model has no generate of its own")
@@ -645,6 +647,8 @@ class ProbeRound:
                                f"and returned {sequences.shape[1]} tokens"
                                + ("" if torch.equal(sequences[:, :T].to(prompt.device), prompt)
                                   else ", the prompt among them changed"), {"asked": asked, "returned": got})
+        if lm.greedy_declared:  # transformers' decode loop: its generation config's processors (a repetition
+            return None  # penalty, suppressed tokens, EOS held back until min_new_tokens) may pick another token
         full = self._forward(sequences.to(prompt.device)).logits[0, T - 1: T - 1 + got].float()  # (got, V)
         chosen = sequences[0, T: T + got].to(full.device)
         best = full.max(-1).values
@@ -652,12 +656,11 @@ class ProbeRound:
         wrong = [k for k in range(got) if float(margin[k]) > ARGMAX_MARGIN]
         if not wrong:
             return None
-        if not lm.greedy_declared:  # its own defaults: greedy only if decoding again under another seed agrees
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(torch.initial_seed() + 1)
-                again = lm.generated(prompt, None, GEN_TOKENS)
-            if again is None or not torch.equal(again, sequences):
-                raise NotApplicable("the model's generate samples by default: its tokens need not be the argmax")
+        with torch.random.fork_rng(devices=[]):  # its own defaults: greedy only if another seed decodes the same
+            torch.manual_seed(torch.initial_seed() + 1)
+            again = lm.generated(prompt, None, GEN_TOKENS)
+        if again is None or not torch.equal(again, sequences):
+            raise NotApplicable("the model's generate samples by default: its tokens need not be the argmax")
         k = wrong[0]
         return ProbeResult("generation", float(margin[k]), "generate", "model",
                            f"the model's greedy generate emitted, as new token {k + 1} of {got}, a token that is not "
@@ -917,8 +920,8 @@ class BlackBoxCache(_ActiveProbe):
 class BlackBoxGeneration(_ActiveProbe):
     id = "bb_generation"
     family = "model"
-    description = ("the model's own greedy generate: the prompt kept, the tokens asked for, each the argmax of one "
-                   "forward over the sequence so far")
+    description = ("the model's own greedy generate: the prompt kept, the tokens asked for, each (its own decode "
+                   "loop) the argmax of one forward over the sequence so far")
     PROBE = "generation"
     AT_END = True  # an untrained tied model predicts its input token again, as a stale decode step repeats it
 

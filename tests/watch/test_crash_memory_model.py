@@ -154,6 +154,54 @@ def test_a_crash_while_the_loop_saves_or_restores_its_state_is_the_checkpoints()
         assert [f.subsystem for f in w.findings] == [expected], case
 
 
+def _framework_function(path: str, name: str):
+    """A function whose frames say it is ``name`` in the installed file ``path`` (a framework's component)."""
+    scope: dict = {}
+    exec(compile(f"def {name}():\n    raise OSError('the component failed')\n", path, "exec"), scope)  # noqa: S102
+    return scope[name]
+
+
+@pytest.mark.parametrize(("path", "name", "expected"), [
+    ("/env/site-packages/transformers/trainer.py", "_save_checkpoint", "checkpoint"),
+    ("/env/site-packages/transformers/trainer.py", "evaluation_loop", "eval"),
+    ("/env/site-packages/accelerate/data_loader.py", "skip_first_batches", "checkpoint"),
+    ("/env/site-packages/accelerate/data_loader.py", "__iter__", "data"),
+    ("/env/site-packages/transformers/trainer.py", "_inner_training_loop", "data"),  # no component: the phase's
+])
+def test_a_crash_in_a_training_frameworks_component_is_that_components(path, name, expected):
+    """Between steps, the innermost framework component on the stack names the crash; a frame of the framework's
+    loop itself is no component (the phase answers: between steps, the next batch)."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = faultbench.watch(model, optimizer, report=False, detectors=["bb_crash_site"])
+    idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+    with pytest.raises(OSError), w:
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        optimizer.step()
+        _framework_function(path, name)()
+    assert [f.subsystem for f in w.findings] == [expected]
+
+
+def test_a_crash_in_an_evaluation_after_training_reaches_the_watch_still_watching_evaluations():
+    """As ``trainer.evaluate()`` after ``train()``: the watch exited, keeps watching evaluations, and is handed the
+    evaluation's exception (``Watch.crashed``); a watch no longer watching evaluations ignores it."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = faultbench.watch(model, optimizer, report=False, detectors=["bb_crash_site"])
+    idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+    with w:
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        optimizer.step()
+    w.watch_evaluations()
+    for _ in range(2):  # watching evaluations, then not: the second crash adds nothing
+        try:
+            _framework_function("/env/site-packages/transformers/trainer.py", "evaluation_loop")()
+        except OSError as exc:
+            w.crashed(exc)
+        assert [(f.subsystem, f.where) for f in w.findings] == [("eval", "transformers.trainer.evaluation_loop")]
+        w.stop_watching_evaluations()
+
+
 def test_a_state_read_by_a_detector_is_not_a_checkpoint():
     """A detector may copy the model's state inside its hook (``Watch._firing`` counts those running): the loop's
     phase stays; the loop's own read between steps is a checkpoint's, inside a step it is not."""

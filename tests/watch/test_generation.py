@@ -52,7 +52,7 @@ def generation(model: torch.nn.Module, seed: int = 0):
 def test_silent_on_correct_decoders(seed):
     torch.manual_seed(seed)
     assert generation(GPT(ModelConfig(vocab_size=64)), seed) is None  # its own KV-cache decode
-    assert generation(llama(seed), seed) is None  # transformers' generate, greedy by name
+    assert generation(llama(seed), seed) is None  # transformers' generate: the tokens asked, the prompt kept
     assert generation(Decoder(), seed) is None
 
 
