@@ -343,6 +343,7 @@ BUILTIN_MODULES = (
     "faultbench.detectors.blackbox.gradients", "faultbench.detectors.blackbox.evaluation",
     "faultbench.detectors.blackbox.crashes", "faultbench.detectors.blackbox.evaluation_effects",
     "faultbench.detectors.blackbox.updates", "faultbench.detectors.blackbox.gradient_check",
+    "faultbench.detectors.blackbox.resume_state",
 )
 _loaded = False
 

@@ -742,13 +742,14 @@ _CONTRACTS = (
        "and losses",
        HF_TRAINER + "::test_can_resume_training and ::test_resume_training_with_randomness; " + S000
        + ": loss continuity after resume",
-       BOTH, ("resume_continuity", "bb_resume_continuity", "bb_rng_continuity", "bb_batch_replay", "bb_golden_lr")),
+       BOTH, ("resume_continuity", "bb_resume_continuity", "bb_rng_continuity", "bb_batch_replay", "bb_golden_lr",
+              "bb_resume_state")),
     _c("checkpoint.accounting.complete",
        "a checkpoint holds every state the run's future depends on: weights, optimizer, scheduler, scaler, data "
        "position, step, RNG streams",
        S002 + ": checkpoint model, optimizer, scheduler, GradScaler and RNG states; " + S000
        + ": checkpoint/resume and RNG",
-       WB, ("resume_continuity",)),
+       BOTH, ("resume_continuity", "bb_resume_state")),
     _c("checkpoint.accounting.step",
        "the step a checkpoint records is the number of optimizer updates its weights contain",
        "PyTorch tutorial 'Saving and loading a general checkpoint' (epoch stored with the state)",
@@ -779,7 +780,7 @@ _CONTRACTS = (
     _c("checkpoint.numerics.bitwise-roundtrip",
        "tensors round-trip with their dtype and value (no silent downcast of fp32 weights or moments)",
        "PyTorch docs, torch.save (storage dtype preserved); DeepSpeed docs, zero_to_fp32 (fp32 master weights)",
-       WB, ("resume_continuity",)),
+       BOTH, ("resume_continuity", "bb_resume_state")),
     _c("checkpoint.isolation.per-rank-state",
        "on resume each rank restores its own rank-specific state (RNG, data shard) and the same shared state as "
        "every other rank",

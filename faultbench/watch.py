@@ -183,6 +183,7 @@ class Watch:
         self.other_seconds: dict[str, float] = {}
         self._fired_s = 0.0
         self._firing = 0  # detectors running now: what they do to the model (a state_dict copy) is not the loop's
+        self._saved_at: int | None = None  # the step of the last checkpoint save seen (``on_save`` once per step)
 
     # ---- public
     @property
@@ -261,7 +262,7 @@ class Watch:
                           optimizer.register_step_post_hook(self._guard(self._after_step))]
         # a state read or loaded between steps by the loop (not by a detector) is a checkpoint being saved or restored
         checkpointing = self._guard(self._checkpointing)
-        self._handles += [model.register_state_dict_pre_hook(checkpointing),
+        self._handles += [model.register_state_dict_pre_hook(self._guard(self._saving)),
                           model.register_load_state_dict_pre_hook(checkpointing),
                           optimizer.register_state_dict_pre_hook(checkpointing),
                           optimizer.register_load_state_dict_pre_hook(checkpointing)]
@@ -316,9 +317,18 @@ class Watch:
 
         return hook
 
-    def _checkpointing(self, *args) -> None:
+    def _checkpointing(self, *args) -> bool:
+        """A state read or load: between steps by the loop, the phase becomes "checkpoint" (True)."""
         if not self._firing and self.ctx.phase in ("setup", "between steps", "checkpoint"):
             self.ctx.phase = "checkpoint"
+            return True
+        return False
+
+    def _saving(self, *args) -> None:
+        """The model's state read by the loop between steps: a checkpoint saved, once per step (``on_save``)."""
+        if self._checkpointing() and self._saved_at != self.ctx.step:
+            self._saved_at = self.ctx.step
+            self._fire("on_save", self.ctx)
 
     def _before_forward(self, module, args, kwargs) -> None:
         self._eval_call = not (torch.is_grad_enabled() and module.training)

@@ -93,6 +93,7 @@ class WatchContext:
         self.backward_seen = False  # at a step: whether a backward ran through a training forward since the last
         self.start_step = 0  # the loop's step when the watch was attached (a resumed loop's step; ``step`` too)
         self.previous: WatchContext | None = None  # the watch of the run's segment before a resume, if given
+        self.saved_states: dict[int, dict] = {}  # step -> what detectors recorded as a checkpoint was saved there
         self.batches_seen: dict[int, int] = {}  # training batch hash -> the step it was trained at
         self.train_rows: set[int] = set()  # hashes of the training rows seen (at most MAX_ROWS)
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
@@ -244,6 +245,10 @@ class BlackBoxDetector(Detector):
       on_eval_loss(ctx, eval_loss, across_ranks)
                                             the loop reported the loss of its evaluation (``Watch.observe``):
                                             with ``across_ranks`` it covers every rank's share, each rank reports it
+      on_save(ctx)                          the loop read the model's state between steps: a checkpoint saved at
+                                            ``ctx.step`` (once per step; what a detector records in
+                                            ``ctx.saved_states[ctx.step]`` the resumed segment reads in
+                                            ``ctx.previous``)
       on_end(ctx)                           the watch exited normally
       on_crash(ctx, crash)                  the with-block raised: {type, message, frames: [(file, line, func)],
                                             phase: ``WatchContext.phase`` when it raised}
@@ -306,6 +311,7 @@ class BlackBoxDetector(Detector):
     def on_eval_forward(self, ctx: WatchContext, batch: dict, logits: torch.Tensor | None) -> None: ...
     def on_eval_loss(self, ctx: WatchContext, eval_loss: float, across_ranks: bool) -> None: ...
     def on_grad_norm(self, ctx: WatchContext, grad_norm: float) -> None: ...
+    def on_save(self, ctx: WatchContext) -> None: ...
     def on_end(self, ctx: WatchContext) -> None: ...  # type: ignore[override]
     def on_crash(self, ctx: WatchContext, crash: dict) -> None: ...
 
