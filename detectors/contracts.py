@@ -946,7 +946,8 @@ DETECTOR_CAVEATS: dict[str, str] = {
                           "loss.declared.next-token",
     "bb_clip_scaled": "checks one consequence of unscale-before-clip (stepped norm below 1/sqrt(scale))",
     "bb_golden_layout": "a golden comparison of a few layout features, not the document format itself",
-    "bb_loss_padding": "checks the pad-id class rather than that every real target gets weight",
+    "bb_loss_padding": "judges that real targets get weight only for the classes no correct loop masks by id "
+                       "(EOS, a pad id that is a real token): a loop may mask other real targets on purpose (prompts)",
     "bb_output_contract": "sanity thresholds ('rows are probabilities', 'loss > 2 ln V before training')",
     "bb_eval_side_effects": "weights count only when changed between two evaluation forwards and kept (checked "
                             "from a loop's second such evaluation on); a scheduler only when stepped twice or more "

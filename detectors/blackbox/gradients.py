@@ -396,14 +396,17 @@ def _labels_permuted(ids: torch.Tensor, labels) -> bool:
 
 @register
 class LossPadding(_GradientDetector):
-    """The loss gives no weight to targets that are padding (the next position's attention_mask is 0), and no
-    real target (attention_mask 1) is ignored just because its id is the pad id: the pad id then doubles as a
-    real token (pad == EOS) and the collator masked every occurrence. The pad id is the tokenizer's, else the id
-    the batches hold where attention_mask is 0. Needs an attention_mask with padding, or a tokenizer."""
+    """The loss gives no weight to targets that are padding (the next position's attention_mask is 0), and every
+    real target (attention_mask 1) of the classes no correct loop masks by id gets weight: the EOS (the model must
+    learn to stop, in pretraining and in fine-tuning alike) and the pad id where it is a real token (pad == EOS, and
+    the collator masked every occurrence). Other real targets may be masked on purpose (a fine-tuning loop's prompt
+    tokens), so a class is judged only while 90% of the other real targets get weight. The pad id is the declared
+    one, else the id the batches hold where attention_mask is 0. Needs an attention_mask with padding, or a
+    tokenizer."""
 
     id = "bb_loss_padding"
     family = "collate"
-    description = "loss weights on padded targets, real targets ignored because their id is the pad id (pad == EOS)"
+    description = "loss weights on padded targets; real EOS or pad-id targets ignored by id (pad == EOS)"
     MIN_SHARE = 0.02  # of the weighted targets: fewer on padding is left alone
     CONFIRM = 2
     CHECKS = 3  # aligned micro-batches examined at most
@@ -433,14 +436,18 @@ class LossPadding(_GradientDetector):
         if on_pads >= max(2, self.MIN_SHARE * float(lab.sum())):
             self._hit(ctx, "on_pads", {"step": ctx.step, "weighted_pad_targets": on_pads,
                                        "weighted_targets": int(lab.sum())})
-        pad = _pad_id(ctx, ids, mask)
-        if pad is not None:
-            real_pad_targets = real_next & mask[:, :-1] & (ids[:, 1:] == pad)
-            others = real_next & mask[:, :-1] & (ids[:, 1:] != pad)
-            n = int(real_pad_targets.sum())
+        # the token classes no correct loop masks by id: the pad id where it is a real token (pad == EOS) and EOS
+        classes = dict.fromkeys(t for t in (_pad_id(ctx, ids, mask), ctx.conventions.eos_id) if t is not None)
+        real = real_next & mask[:, :-1]
+        for token in classes:
+            real_class = real & (ids[:, 1:] == token)
+            others = real & (ids[:, 1:] != token)
+            n = int(real_class.sum())
             others_kept = float((lab & others).sum()) >= 0.9 * float(others.sum())
-            if n >= 2 and not bool((lab & real_pad_targets).any()) and others_kept:
-                self._hit(ctx, "pad_id_ignored", {"step": ctx.step, "pad_id": pad, "ignored_real_targets": n})
+            if n >= 2 and not bool((lab & real_class).any()) and others_kept:
+                self._hit(ctx, "token_ignored", {"step": ctx.step, "token": token, "ignored_real_targets": n,
+                                                 "eos": token == ctx.conventions.eos_id})
+                break
 
     def _hit(self, ctx: WatchContext, kind: str, evidence: dict) -> None:
         hits = self.tally(kind, evidence, self.CONFIRM)
@@ -455,10 +462,11 @@ class LossPadding(_GradientDetector):
                              confidence=0.85, step=first["step"])
         else:
             self.report_once(kind, ctx, "collate", "batch",
-                             f"every real target whose id is the pad id {first['pad_id']} "
-                             f"({first['ignored_real_targets']} in the batch, attention_mask 1) gets no weight in the "
-                             "loss while the other real targets do: the labels are masked by id, and the pad id is "
-                             "also a real token (pad == EOS?), so the model never learns it",
+                             f"every real target whose id is {first['token']} "
+                             f"({'the EOS' if first['eos'] else 'the pad id'}; {first['ignored_real_targets']} in the "
+                             "batch, attention_mask 1) gets no weight in the loss while the other real targets do: "
+                             "the labels are masked by id (a pad id that is also a real token, or the EOS itself), so "
+                             "the model never learns it" + (" and never learns to stop" if first["eos"] else ""),
                              {"micro_batches": hits[:4]}, confidence=0.8, step=first["step"])
 
 

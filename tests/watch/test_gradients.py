@@ -140,6 +140,12 @@ def collate(docs, side="right", bug=None):
         labels = ids.clone()
     if bug == "mask_pad_id":  # the collator masks labels by id: pad == EOS, every EOS target is lost
         labels[ids == PAD] = -100
+    if bug in ("eos_masked", "prompt_and_eos_masked"):  # the EOS masked with the specials: the model never stops
+        labels[ids == EOS] = -100
+    if bug in ("prompt_masked", "prompt_and_eos_masked"):  # fine-tuning: each row's first half is a prompt
+        for row in range(len(docs)):
+            real = mask[row].nonzero().flatten()
+            labels[row, real[: len(real) // 2]] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -234,7 +240,7 @@ def test_the_implied_loss_fills_the_step_record_with_no_detector():
     ("permuted", "right", ("bb_implied_labels", "loss", "loss"), "OTHER rows"),
     ("right_offset", "left", ("bb_implied_labels", "collate", "batch"), "padding offset"),
     ("pads_not_ignored", "right", ("bb_loss_padding", "collate", "batch"), "targets that are padding"),
-    ("mask_pad_id", "right", ("bb_loss_padding", "collate", "batch"), "pad == EOS"),
+    ("mask_pad_id", "right", ("bb_loss_padding", "collate", "batch"), "(the pad id;"),
     ("sum", "right", ("bb_loss_normalization", "loss", "loss"), "summed over the tokens"),
     ("micro_mean", "right", ("bb_loss_normalization", "loss", "loss"), "averaged over its own targets"),
     ("divided_twice", "right", ("bb_loss_normalization", "loss", "loss"), "divided by the accumulation steps twice"),
@@ -246,6 +252,17 @@ def test_each_broken_label_padding_or_normalization_is_found(bug, side, expected
     assert w.findings and _found(w)[0] == expected, w.report()
     assert words in w.findings[0].message and w.findings[0].step == 0
     assert len(w.findings) == 1, w.report()  # one explanation, not a cascade
+
+
+def test_a_masked_eos_is_found_and_prompt_masking_is_not():
+    """The declared EOS never trained while the other real targets are: found. A fine-tuning loop that masks its
+    prompts trains fewer than 90% of the other real targets: its masking is its own choice, nothing is judged."""
+    declare = {"declare": {"eos_id": EOS}}
+    w = toy_loop(bug="eos_masked", detectors=["bb_loss_padding"], **declare)
+    assert _found(w) == [("bb_loss_padding", "collate", "batch")] and "never learns to stop" in w.findings[0].message
+    assert toy_loop(bug="prompt_masked", detectors=["bb_loss_padding"], **declare).findings == []
+    assert toy_loop(bug="prompt_and_eos_masked", detectors=["bb_loss_padding"], **declare).findings == []
+    assert toy_loop(detectors=["bb_loss_padding"], **declare).findings == []
 
 
 def test_a_golden_envelope_with_the_users_weight_sums_accepts_a_summed_loss():
