@@ -46,6 +46,18 @@ class NotApplicable(Exception):
     """This detector's assumptions do not hold for the run; the message says which (one line)."""
 
 
+def traceless(exc: BaseException, _seen: set | None = None) -> BaseException:
+    """``exc`` (and the exceptions it was raised from) without tracebacks, to be kept: a traceback's frames hold
+    the loop's locals (its last loss and graph) and, through its globals, everything the loop holds."""
+    seen = set() if _seen is None else _seen
+    seen.add(id(exc))
+    exc.__traceback__ = None
+    for linked in (exc.__cause__, exc.__context__):
+        if linked is not None and id(linked) not in seen:
+            traceless(linked, seen)
+    return exc
+
+
 _ABSENT = object()
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from faultbench.detectors.api import traceless
+
 
 def _accepted(model: torch.nn.Module) -> frozenset[str]:
     """The keyword names ``model.forward`` declares (``**kwargs`` does not count: it promises nothing)."""
@@ -85,7 +87,7 @@ class CausalLM:
                     raise
                 ids, mask = torch.tensor([[0, 1, 1], [0, 0, 1]], device=lm.device), torch.tensor([[1, 1, 1], [0, 1, 1]])
                 lm.check_logits(_first_logits(lm._call(ids, attention_mask=mask.to(lm.device)), 2, 3), 3)
-                lm.unpadded_error = exc
+                lm.unpadded_error = traceless(exc)
                 return lm
             logits = _first_logits(out, 1, 2)
             if logits is not None and logits.shape[1] != 2 and "targets" in names:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from faultbench.detectors.api import NotApplicable, register
+from faultbench.detectors.api import NotApplicable, register, traceless
 from faultbench.detectors.blackbox.api import BlackBoxDetector
 from faultbench.detectors.blackbox.lm import CausalLM
 
@@ -326,7 +326,7 @@ class ProbeRound:
                 positions[self._plain_rows["spread"], self.cut:] += SHIFT  # a gap in the positions at ``cut``
             if self._unmasked_error is None and self.lm.unpadded_error is not None:
                 where = raised_in(self.lm.model, lambda: self.lm.logits(self.ids)) or None
-                self._unmasked_error = (self.lm.unpadded_error, where)
+                self._unmasked_error = (traceless(self.lm.unpadded_error), where)
             if self._unmasked_error is not None:
                 raise NotApplicable(f"the model raises on an unpadded batch ({self._unmasked_error[0]})")
             try:
@@ -346,7 +346,8 @@ class ProbeRound:
                 batch = torch.cat(list(rows.values()))
                 self._plain = self._forward(batch, None, positions[: len(rows)] if positions is not None else None)
             except Exception as exc:  # noqa: BLE001 - the model fails on the plainest call: causality says so
-                self._unmasked_error = (exc, raised_in(self.lm.model, lambda: self.lm.logits(self.ids)) or None)
+                where = raised_in(self.lm.model, lambda: self.lm.logits(self.ids)) or None
+                self._unmasked_error = (traceless(exc), where)
                 raise NotApplicable(f"the model raises on an unpadded batch ({exc})") from exc
         return self._plain
 
@@ -378,10 +379,10 @@ class ProbeRound:
                 gated = any(not self._quiet(gate) for gate in GATES.get(probe, ()))
                 self._results[probe] = None if gated else getattr(self, f"_{probe}")()
             except NotApplicable as exc:
-                self._results[probe] = exc
+                self._results[probe] = traceless(exc)
         got = self._results[probe]
         if isinstance(got, NotApplicable):
-            raise got
+            raise NotApplicable(str(got))  # a fresh one: raising the kept one would hang this traceback on it
         return got
 
     def _quiet(self, probe: str) -> bool:
