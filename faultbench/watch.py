@@ -137,6 +137,13 @@ class Watch:
     def __init__(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, golden=None,
                  detectors="black-box", rank=None, world_size=None, report=True, out=None, step=0, previous=None,
                  declare=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"faultbench.watch: model must be a torch.nn.Module, not {type(model).__name__}")
+        if not isinstance(_unwrap_optimizer(optimizer), torch.optim.Optimizer):
+            raise TypeError("faultbench.watch: optimizer must be a torch.optim.Optimizer (or a wrapper holding one "
+                            f"as .optimizer), not {type(optimizer).__name__}")
+        if out is not None and not Path(out).parent.is_dir():
+            raise ValueError(f"faultbench.watch: out={str(out)!r}: its folder does not exist")
         rank, world_size = _ranks(rank, world_size)
         self.ctx = WatchContext(model, _unwrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler,
                                 tokenizer=tokenizer, golden=load_golden(golden), rank=rank, world_size=world_size,
@@ -234,6 +241,9 @@ class Watch:
 
     # ---- the context manager
     def __enter__(self) -> Watch:
+        if self.attached:  # nested `with w:` on one watch: every hook would fire twice
+            raise RuntimeError("faultbench.watch: this watch is already watching (a `with` of it is open); "
+                               "one watch watches one loop at a time")
         self._attach()
         self._fire("on_start", self.ctx)
         return self
@@ -248,7 +258,13 @@ class Watch:
         finally:
             self._detach()
         if self.out is not None:
-            Path(self.out).write_text(self.to_json())
+            try:
+                Path(self.out).write_text(self.to_json())
+            except OSError as e:
+                if exc is None:
+                    raise
+                # the loop's own exception is what the user must see: this is said beside it, never instead
+                print(f"faultbench.watch: could not write out={self.out}: {e}", file=sys.stderr)
         if self.print_report:
             print(self.report(), file=sys.stderr)
         return False  # the user's exception propagates unchanged

@@ -240,3 +240,46 @@ def test_a_forgotten_zero_grad_is_still_found_with_the_stale_check_on_sampled_st
     (finding,) = w.findings
     assert finding.subsystem == "optimizer" and finding.step == 3  # stale at steps 2 and 3, as with every step
     assert [s["step"] for s in finding.evidence["steps"]] == [2, 3]
+
+
+@pytest.mark.parametrize(("model", "optimizer", "words"), [
+    (None, "adamw", "model must be a torch.nn.Module, not NoneType"),
+    ("linear", None, "optimizer must be a torch.optim.Optimizer"),
+    ("linear", "a string", "not str"),
+])
+def test_a_watch_of_something_else_than_a_model_and_optimizer_is_refused_in_one_line(model, optimizer, words):
+    linear = torch.nn.Linear(2, 2)
+    model = linear if model == "linear" else model
+    optimizer = torch.optim.AdamW(linear.parameters()) if optimizer == "adamw" else optimizer
+    with pytest.raises(TypeError, match=words) as info:
+        faultbench.watch(model, optimizer)
+    assert "\n" not in str(info.value)
+
+
+def test_a_watch_entered_twice_is_refused_and_keeps_watching_once():
+    model, optimizer, _ = build(TrainConfig(), seed=0)
+    w = faultbench.watch(model, optimizer, report=False, detectors=[])
+    with w:
+        with pytest.raises(RuntimeError, match="already watching"), w:
+            pass
+        x, y = get_batch("train", 4, 16)
+        model(x, y)[1].backward()
+        optimizer.step()
+    assert [r.step for r in w.ctx.history] == [1] and not w.attached  # one step counted once, hooks gone
+
+
+def test_out_in_a_missing_folder_is_refused_before_the_loop(tmp_path):
+    model, optimizer, _ = build(TrainConfig(), seed=0)
+    with pytest.raises(ValueError, match="its folder does not exist"):
+        faultbench.watch(model, optimizer, out=tmp_path / "missing" / "w.json")
+
+
+def test_a_failing_out_write_never_replaces_the_loops_exception(tmp_path, capsys):
+    model, optimizer, _ = build(TrainConfig(), seed=0)
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    w = faultbench.watch(model, optimizer, report=False, detectors=[], out=folder / "w.json")
+    folder.rmdir()  # the folder vanished during the loop
+    with pytest.raises(KeyError, match="the loop's own"), w:
+        raise KeyError("the loop's own")
+    assert "could not write out=" in capsys.readouterr().err
