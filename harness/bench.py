@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -323,6 +324,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     from faultbench.harness.launch import RankPool
 
     torch.set_num_threads(1)
+    if cfg.blind:  # a warning of a blind fault's code names its file and line: none is shown (the workers inherit it)
+        warnings.simplefilter("ignore")
+        os.environ["PYTHONWARNINGS"] = "ignore"
     start = time.monotonic()
     cases, faults = build_matrix(cfg)
     if not cases:  # before anything is run or written: an empty bench must not replace existing results

@@ -16,7 +16,8 @@ from pathlib import Path
 from faultbench.harness.report import _fmt
 from faultbench.harness.score import BLACKBOX, SUITE
 
-SETS = (("registry", "."), ("unseen", "unseen"), ("blind", "blind"), ("mutants", "mutants"))  # name, results/ folder
+SETS = (("registry", "."), ("unseen", "unseen"), ("blind", "blind"), ("blind2", "blind2"),  # name, results/ folder
+        ("mutants", "mutants"))
 METRICS = (("detection_rate", "detection"), ("top1_subsystem", "top-1 subsystem"), ("top1_seam", "top-1 seam"),
            ("false_positive_rate", "FP"))
 TRACKS = (("white-box", "suite"), ("black-box", "blackbox"))
@@ -89,8 +90,8 @@ def sets_section(out: Path, summary: dict) -> list[str]:
     if len({r["set"] for r in rows}) < 2:
         return []
     return ["", "## Fault sets side by side", "",
-            "The registry (this run), the unseen plugin (unseen/), the blind set (blind/) and the admitted mutant set "
-            "(mutants/), each scored by its own bench run; the mutant set's per-operator scores are in "
+            "The registry (this run), the unseen plugin (unseen/), the blind sets (blind/, blind2/) and the admitted "
+            "mutant set (mutants/), each scored by its own bench run; the mutant set's per-operator scores are in "
             "mutants/by_operator.md.", "", *sets_markdown(rows)]
 
 
@@ -99,8 +100,9 @@ def write_sets(results: Path) -> Path:
 
     lines = ["# The fault sets side by side", "",
              "Each set scored by its own bench run: the registry (`make bench`, results/), the unseen plugin "
-             "(examples/unseen_faults.py, results/unseen/), the blind set (benchmarks/blind/, written by someone who "
-             "never read the detectors, results/blind/) and the admitted mutant set (`make bench-mutants`, "
+             "(examples/unseen_faults.py, results/unseen/), the blind sets (benchmarks/blind/ and benchmarks/blind2/, "
+             "each written by someone who never read the detectors; results/blind/, results/blind2/) and the admitted "
+             "mutant set (`make bench-mutants`, "
              "results/mutants/). Detection and Top-1 are means over the cases where the fault showed; FP over each "
              "run's clean matrix.", "", *sets_markdown(sets_rows(results))]
     return write_text(results / "sets.md", "\n".join(lines) + "\n")
