@@ -42,6 +42,9 @@ SUBSYSTEMS = (
 )
 
 
+DETECTOR_ENTRY_POINTS = "faultbench.detectors"  # installed packages' detectors: loaded with the built-in ones
+
+
 class NotApplicable(Exception):
     """This detector's assumptions do not hold for the run; the message says which (one line)."""
 
@@ -381,7 +384,7 @@ def all_detectors() -> dict[str, type[Detector]]:
 
         for name in BUILTIN_MODULES:
             importlib.import_module(name)
-        for ep in entry_points(group="faultbench.detectors"):
+        for ep in entry_points(group=DETECTOR_ENTRY_POINTS):
             ep.load()
     return DETECTORS
 

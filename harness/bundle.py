@@ -215,8 +215,12 @@ def _load_tensors(path: Path):
         raise ValueError(f"{path} cannot be loaded: {type(e).__name__}: {first_line}") from None
 
 
-def replay(directory) -> dict:
-    """Run the bundle's case again; what came back and what differs (``reproduced``: all of it matches)."""
+def replay(directory, plugins=()) -> dict:
+    """Run the bundle's case again; what came back and what differs (``reproduced``: all of it matches).
+
+    A bundle runs no code of its own: each plugin its case names must be one of ``plugins`` (given again by the
+    user, ``replay --plugin``), else ValueError; ``MANIFEST.sha256`` catches damage, not tampering (anyone can
+    write it again), so it is never a reason to import a file a bundle names."""
     from faultbench.faults.registry import load_plugin
     from faultbench.harness.bench import code_digest
     from faultbench.harness.case import RECIPES, case_from_dict
@@ -226,6 +230,11 @@ def replay(directory) -> dict:
     case = case_from_dict(meta["case"])
     if case.recipe not in RECIPES:
         raise ValueError(f"the bundle's recipe {case.recipe!r} is not one of this checkout's: {', '.join(RECIPES)}")
+    given = {_plugin_key(p) for p in plugins}
+    unsigned = [p for p in case.plugins if _plugin_key(p) not in given]
+    if unsigned:
+        raise ValueError(f"the bundle's case loads plugin {unsigned[0]}; a bundle runs no code of its own: pass "
+                         f"--plugin {unsigned[0]} to replay it with that plugin")
     for plugin in case.plugins:
         load_plugin(plugin)
     expected = json.loads((directory / "finding.json").read_text())["finding"]
@@ -250,6 +259,11 @@ def replay(directory) -> dict:
             == json.dumps(expected["evidence"], sort_keys=True, default=str),
             "state_identical": state_same, "batch_identical": batch_same, "differences": differences,
             "same_code": meta["code_digest"] == code_digest(case.plugins), "step": meta["step"], "case": meta["case"]}
+
+
+def _plugin_key(plugin: str) -> str:
+    """A plugin as it names itself: a .py file by its resolved path, a module by its name."""
+    return str(Path(plugin).resolve()) if plugin.endswith(".py") else plugin
 
 
 def describe_replay(result: dict) -> str:

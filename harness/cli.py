@@ -282,7 +282,7 @@ def _replay(args) -> int:
     from faultbench.harness.bundle import describe_replay, replay
 
     torch.set_num_threads(1)
-    result = replay(args.bundle)
+    result = replay(args.bundle, tuple(args.plugin or ()))
     if args.json:
         print(describe_replay(result), file=sys.stderr)
         print(json.dumps(result, default=str))
@@ -304,6 +304,26 @@ def _detectors(args) -> int:
         kind = "baseline" if c.baseline else c.family
         print(f"{kind:<11} {d:<28} {'passive' if c.passive else 'probe':<8} {c.description}")
     print(f"{len(registry)} detectors")
+    return 0
+
+
+def _plugins(args) -> int:
+    """What loads code into faultbench: installed entry points (always) and ``--plugin`` files (only when named)."""
+    from importlib.metadata import entry_points
+
+    from faultbench.detectors.api import DETECTOR_ENTRY_POINTS
+    from faultbench.faults.registry import ENTRY_POINT_GROUP
+
+    groups = (ENTRY_POINT_GROUP, DETECTOR_ENTRY_POINTS)
+    found = [{"group": group, "name": ep.name, "loads": ep.value, "from": ep.dist.name if ep.dist else None}
+             for group in groups for ep in entry_points(group=group)]
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    for ep in found:
+        print(f"{ep['group']:<22} {ep['name']:<20} {ep['loads']:<40} installed by {ep['from'] or 'an unknown one'}")
+    print(f"{len(found)} entry point(s) of groups {', '.join(groups)}, loaded by every command. A --plugin file or "
+          "module loads only when a command line names it (never because a bundle or a cache names it).")
     return 0
 
 
@@ -551,8 +571,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("replay", help="run a repro bundle's case again and say whether its finding comes back")
     rep.add_argument("bundle")
+    rep.add_argument("--plugin", action="append",
+                     help="a plugin the bundle's case names, given again (a bundle never loads code by itself)")
     rep.add_argument("--json", action="store_true", help="last stdout line is the JSON result")
     rep.set_defaults(func=_replay)
+
+    plug = sub.add_parser("plugins", help="list what loads code into faultbench: installed entry points, and when "
+                                          "--plugin files load")
+    plug.add_argument("--json", action="store_true")
+    plug.set_defaults(func=_plugins)
 
     dets = sub.add_parser("detectors", help="list the registered detectors")
     dets.add_argument("--json", action="store_true")

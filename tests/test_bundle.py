@@ -156,3 +156,16 @@ def test_a_resealed_unreadable_checkpoint_is_refused_before_the_run(tmp_path, ca
     assert main(["replay", str(bundle)]) == 2
     err = capsys.readouterr().err
     assert "checkpoint.pt cannot be loaded" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_tampered_bundle_that_names_a_plugin_runs_no_code(tmp_path, capsys, monkeypatch):
+    """A plugin named in bundle.json (resealed, as anyone can) is imported only when the user passes it again."""
+    marker = tmp_path / "ran"
+    plugin = tmp_path / "evil.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    bundle = _fake_bundle(tmp_path / "bundle", plugins=[str(plugin)])
+    monkeypatch.setattr("faultbench.harness.bundle.run_captured", lambda *a: pytest.fail("ran the case"))
+    assert main(["replay", str(bundle)]) == 2
+    err = capsys.readouterr().err
+    assert f"pass --plugin {plugin}" in err and len(err.strip().splitlines()) == 1
+    assert not marker.exists()

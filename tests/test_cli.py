@@ -70,3 +70,15 @@ def test_argparse_rejects_unknown_choices(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_plugins_lists_the_installed_entry_points_and_says_when_plugin_files_load(capsys, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "detector_stub"))  # an installed detector package
+    assert main(["plugins", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {"group": "faultbench.detectors", "name": "stub", "loads": "faultbench_detector_stub",
+            "from": "faultbench-detector-stub"} in listed
+    assert main(["plugins"]) == 0
+    assert "loads only when a command line names it" in capsys.readouterr().out
