@@ -20,15 +20,38 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    """A count (seeds, steps, jobs, ...): an integer >= 1."""
+MAX_SEEDS, MAX_JOBS, MAX_STEPS = 1000, 256, 10_000_000  # beyond these a count is a typo, not a plan
+
+
+def _positive_int(text: str, most: int | None = None) -> int:
+    """A count (seeds, steps, jobs, ...): an integer >= 1 (and <= ``most``)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if most is not None and value > most:
+        raise argparse.ArgumentTypeError(f"expected at most {most}, got {value}")
     return value
+
+
+def _runnable_preset(name: str):
+    """The named preset, if this machine can run it: a CUDA preset without a CUDA device is refused in one line
+    (it used to run and be reported as the fault's crash)."""
+    preset = get_preset(name)
+    if preset.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"preset {name!r} trains on CUDA and this machine has no CUDA device "
+                         "(torch.cuda.is_available() is False); use 'tiny' or 'small'")
+    return preset
+
+
+def _at_most(most: int):
+    """``_positive_int`` up to ``most``: a count whose huge values would only exhaust memory or time."""
+    def parse(text: str) -> int:
+        return _positive_int(text, most)
+
+    return parse
 
 
 def _positive_float(text: str) -> float:
@@ -68,7 +91,7 @@ def _train(args) -> int:
     torch.set_num_threads(args.threads)
     if args.save:
         check_replaceable(args.save, "meta.json", "checkpoint")
-    base = get_preset(args.preset)
+    base = _runnable_preset(args.preset)
     launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun else args.world_size
     train_overrides = {"world_size": world, "zero": args.zero}
@@ -203,7 +226,7 @@ def _run(args) -> int:
         return _run_detectors(args)
     if target != "ref":
         return _run_target(args, target)
-    _check_batch_split(get_preset(args.preset), args.world_size, args.accum)
+    _check_batch_split(_runnable_preset(args.preset), args.world_size, args.accum)
     variant = {"train": {}, "data": {}}
     if args.precision:
         variant["train"]["precision"] = args.precision
@@ -512,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train the clean reference and print its summary")
     train.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    train.add_argument("--steps", type=_positive_int, help="optimizer steps (default: the preset's)")
+    train.add_argument("--steps", type=_at_most(MAX_STEPS), help="optimizer steps (default: the preset's)")
     train.add_argument("--precision", choices=PRECISIONS)
     train.add_argument("--pad-side", choices=PAD_SIDES)
     train.add_argument("--accum", type=_positive_int, help="micro-batches per optimizer step")
@@ -551,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fault", action="append", required=True, help="fault id (repeatable)")
     run.add_argument("--plugin", action="append", help="load faults from a .py file or module (repeatable)")
     run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    run.add_argument("--steps", type=_positive_int,
+    run.add_argument("--steps", type=_at_most(MAX_STEPS),
                      help="optimizer steps (default: 100 on the reference; a fault of another target: its manifest's)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--precision", choices=PRECISIONS)
@@ -592,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--exclusive", action="store_true",
                        help="also run the exclusive detectors (anomaly mode: a second run of every case), as naming "
                             "one in --detectors does")
-    bench.add_argument("--seeds", type=_positive_int, help="seeds 0..N-1 (default 3; 1 with --quick)")
+    bench.add_argument("--seeds", type=_at_most(MAX_SEEDS), help="seeds 0..N-1 (default 3; 1 with --quick)")
     bench.add_argument("--target", type=_targets_or_all, default="all", metavar="ref|hf|all",
                        help="the stacks whose faults and clean matrix run (default all)")
     bench.add_argument("--plugin", action="append", help="load faults/detectors from a .py file or module")
@@ -602,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a blind set: progress, table and messages name no case, fault or detector (aggregates "
                             "only; the full scores are still written to --out for the set's authors)")
     bench.add_argument("--detectors", nargs="+", metavar="ID", help="detector ids, 'all' (default), 'suite'")
-    bench.add_argument("--jobs", type=_positive_int, default=2, help="cases run in parallel (default 2)")
+    bench.add_argument("--jobs", type=_at_most(MAX_JOBS), default=2, help="cases run in parallel (default 2)")
     bench.add_argument("--mutants", action="store_true",
                        help="score the admitted mutant set (faults/mutants/mutants-v1.json) instead of the registry: "
                             "one seed unless --seeds says otherwise, written to results/mutants/ unless --out says")
@@ -627,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     mutate.add_argument("--per-cell", type=_positive_int, default=4,
                         help="candidates run per (seam, operator), spread over its sites (default 4)")
     mutate.add_argument("--sample", type=_positive_int, help="with --admit: only the first N candidates per target")
-    mutate.add_argument("--jobs", type=_positive_int, default=2, help="cases run in parallel (default 2)")
+    mutate.add_argument("--jobs", type=_at_most(MAX_JOBS), default=2, help="cases run in parallel (default 2)")
     mutate.add_argument("--out", help="the admitted set's file (default faults/mutants/mutants-v1.json)")
     mutate.add_argument("--force", action="store_true", help="with --admit: replace an existing file")
     mutate.add_argument("--json", action="store_true", help="the admission table as JSON")

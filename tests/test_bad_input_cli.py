@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from faultbench.faults.registry import FAULTS
 from faultbench.harness.case import RECIPES
@@ -46,6 +47,12 @@ def _plugin(tmp_path, name: str, fault_id: str, body: str, seam: str = "model.lo
 @pytest.mark.parametrize("argv, expect", [
     (["bench", "--seeds", "0"], "--seeds: expected a positive integer, got 0"),
     (["bench", "--seeds", "-2"], "--seeds: expected a positive integer, got -2"),
+    (["bench", "--seeds", "100000000"], "--seeds: expected at most 1000, got 100000000"),  # a MemoryError before
+    (["bench", "--jobs", "100000"], "--jobs: expected at most 256"),
+    *([(["run", "--fault", "label_permute", "--preset", "gpu"], "preset 'gpu' trains on CUDA"),
+       (["train", "--preset", "gpu", "--steps", "2"], "preset 'gpu' trains on CUDA")]
+      if not torch.cuda.is_available() else []),
+    (["run", "--fault", "label_permute", "--steps", "1e9"], "--steps: expected a positive integer, got '1e9'"),
     (["bench", "--jobs", "0"], "--jobs: expected a positive integer"),  # jobs 0 used to spin forever
     (["train", "--threads", "0"], "--threads"),
     (["train", "--log-every", "0"], "--log-every"),
