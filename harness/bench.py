@@ -37,6 +37,7 @@ from faultbench.detectors.api import all_detectors, black_box_suite_ids, resolve
 from faultbench.harness.atomic import write_text
 from faultbench.harness.case import Case, assign_recipes, behaviour, case_hash, execute, failed_record, source_digest
 from faultbench.harness.detect import detector_groups
+from faultbench.harness.launch import die_with_parent
 from faultbench.harness.report import split_timings
 from faultbench.harness.score import (
     BLACKBOX,
@@ -173,6 +174,7 @@ def run_and_bundle(case: Case, golden: dict | None, bundles: Path | None, comman
 
 
 def _child(case: Case, golden: dict | None, conn, bundles: Path | None, command) -> None:
+    die_with_parent()
     torch.set_num_threads(1)
     try:
         conn.send(run_and_bundle(case, golden, bundles, command))

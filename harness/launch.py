@@ -13,9 +13,12 @@ may be mid-collective) and rebuilt on the next call.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
 import queue
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -28,6 +31,19 @@ class RankFailure(RuntimeError):
     """A rank raised, died, or did not finish in time."""
 
 
+def die_with_parent() -> None:
+    """In a worker: be killed when the process that started it dies, even by SIGKILL (Linux's parent-death
+    signal), so a killed bench leaves no worker behind; a parent already gone means exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 INJECT_ENV, PLUGINS_ENV = "FAULTBENCH_INJECT", "FAULTBENCH_FAULT_PLUGINS"
 _worker_injection = contextlib.ExitStack()
 
@@ -50,6 +66,7 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, tasks, res
     import torch
     import torch.distributed as dist
 
+    die_with_parent()  # the forkserver, which exits when the bench does
     torch.set_num_threads(1)
     _inject_from_env()
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
