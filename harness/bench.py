@@ -262,7 +262,8 @@ class Progress:
 RECORD_FIELDS = {"case": dict, "name": str, "history": list, "crash": (dict, type(None)), "findings": list,
                  "detector_errors": dict, "step_seconds": dict, "other_seconds": dict, "train_s": (int, float),
                  "val_loss": (int, float, type(None)), "outputs": dict}
-FINDING_FIELDS = ("detector", "step", "subsystem", "seam")
+FINDING_FIELDS = {"detector": str, "step": int, "subsystem": str, "seam": (str, type(None)),
+                  "confidence": (int, float)}
 
 
 def record_problem(record, case: Case) -> str | None:
@@ -274,8 +275,11 @@ def record_problem(record, case: Case) -> str | None:
         return f"missing or mistyped {', '.join(wrong)}"
     if record["case"] != case.to_dict():
         return f"it is the record of another case ({record['name']})"
-    if not all(isinstance(f, dict) and all(k in f for k in FINDING_FIELDS) for f in record["findings"]):
-        return f"a finding without {', '.join(FINDING_FIELDS)}"
+    if not all(isinstance(f, dict) and all(isinstance(f.get(k), kind) and not isinstance(f.get(k), bool)
+                                           for k, kind in FINDING_FIELDS.items()) for f in record["findings"]):
+        return f"a finding without (or mistyping) {', '.join(FINDING_FIELDS)}"
+    if not all(isinstance(h, dict) and isinstance(h.get("step"), int) for h in record["history"]):
+        return "a history entry that is not a step record"
     return None
 
 

@@ -268,3 +268,25 @@ def test_a_cached_record_of_another_case_is_not_used(tiny_bench, capsys):
     assert read_cached(path, other) == record
     assert read_cached(path, case) is None and not path.exists()
     assert "the record of another case (clean/fp32/s1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change", [
+    {"findings": [{"detector": "d", "step": "seven", "subsystem": "loss", "seam": None, "confidence": 0.5}]},
+    {"findings": [{"detector": "d", "step": 3, "subsystem": "loss", "seam": None}]},  # no confidence
+    {"findings": [{"detector": "d", "step": True, "subsystem": "loss", "seam": None, "confidence": 0.5}]},
+    {"history": [1, 2, 3]},
+])
+def test_a_cache_entry_with_mistyped_findings_or_history_is_discarded(tmp_path, capsys, change):
+    from faultbench.harness.bench import read_cached
+    from faultbench.harness.case import Case
+
+    case = Case("fp32", 0, (), ("forward_loss_contract",))
+    record = {"case": case.to_dict(), "name": case.name, "history": [{"step": 1}], "crash": None, "findings": [],
+              "detector_errors": {}, "step_seconds": {}, "other_seconds": {}, "train_s": 0.0, "val_loss": None,
+              "outputs": {}}
+    path = tmp_path / "entry.json"
+    path.write_text(json.dumps(record))
+    assert read_cached(path, case) == record  # the well-typed entry is read
+    path.write_text(json.dumps({**record, **change}))
+    assert read_cached(path, case) is None and not path.exists()
+    assert "discarding the bad cache entry" in capsys.readouterr().err
