@@ -357,7 +357,9 @@ class Watch:
         batch, self._pending = self._pending or {}, None
         logits, loss = split_output(output)
         training = torch.is_grad_enabled() and module.training
-        self.ctx.phase = "backward" if training else "evaluation"
+        ids = batch.get("input_ids")
+        decoding = isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1  # one token a call
+        self.ctx.phase = "backward" if training else "generation" if decoding else "evaluation"
         if training:
             if not self.attached:  # after exit, only evaluations are watched
                 return

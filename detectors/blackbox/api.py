@@ -101,7 +101,7 @@ class WatchContext:
         # forward), "backward" (after it: the loss, backward, clipping), "step" (the optimizer's), "between steps"
         # (the scheduler, the next batch, logging), "checkpoint" (the loop read or loaded the model's or optimizer's
         # state since: saving or restoring), "eval forward" / "evaluation" (in / after a forward without grad, until
-        # the next training forward or step)
+        # the next training forward or step), "generation" (after such a forward of one token a row: a decode step)
         self.phase = "setup"
         # evaluations after the watch's exit are watched too (``Watch.watch_evaluations``): their checks may still come
         self.evaluations_follow = False

@@ -14,12 +14,14 @@ the batch, or the model. ``bb_crash_site`` answers from behaviour, never from th
    loop but not in the replay raised on what the replay leaves out (labels: the loss; else train mode: model);
 4. outside any forward, a training framework's component running (transformers' Trainer and data collators,
    accelerate): the innermost one on the stack, by what each does per its documentation (saving and loading
-   checkpoints, evaluating, the loss, the optimizer and scheduler, the loaders, mixed precision, the collectives);
+   checkpoints, evaluating, generating and its position and mask bookkeeping, the loss, the optimizer and scheduler,
+   the loaders, mixed precision, the collectives);
 5. the phase of the step it interrupted (``WatchContext.phase``): before the first forward (building the first
    batch: data; of a loop resumed past step 0: the checkpoint), while the loop reads or loads the model's or the
    optimizer's state between steps (the checkpoint), in the optimizer's step (optimizer), after a training forward
    and before the step (the loss, its backward, clipping: the loss unless the backward raised), after an evaluation
-   forward (evaluation), between steps (the next batch: data).
+   forward (evaluation; of one token a row, a decode step: generation, the model's), between steps (the next batch:
+   data).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ COMPONENTS = (
     ("transformers/trainer.py", "data", (
         "get_train_dataloader", "_get_train_sampler", "_get_dataloader", "get_batch_samples",
         "_remove_unused_columns")),
+    ("transformers/generation/utils.py", "position", (  # the decode's bookkeeping of positions and cache offsets
+        "_prepare_position_ids_for_generation", "_update_model_kwargs_for_generation", "_get_initial_cache_position",
+        "prepare_inputs_for_generation", "_cache_dependant_input_preparation")),
+    ("transformers/generation/utils.py", "mask", ("_prepare_attention_mask_for_generation",)),
+    ("transformers/generation/", "model", None),  # the decode loop itself, its logits processing, its cache
     ("transformers/data/data_collator.py", "collate", None), ("transformers/loss/", "loss", None),
     ("transformers/optimization.py", "optimizer", None),
     ("accelerate/data_loader.py", "checkpoint", ("skip_first_batches",)), ("accelerate/data_loader.py", "data", None),
@@ -81,6 +88,8 @@ PHASES = {
                  "computing the loss from the model's output"),
     "step": ("optimizer", "optimizer", "the optimizer was stepping"),
     "evaluation": ("eval", "eval", "the loop was evaluating (a forward without grad had run since the last step)"),
+    "generation": ("model", "generate", "the loop was generating (its last forward, without grad, decoded one token "
+                   "a row)"),
 }
 
 

@@ -108,10 +108,11 @@ def test_a_forward_that_runs_without_its_mask_is_a_mask_crash_else_the_innermost
 
 
 @pytest.mark.parametrize(("phase_of", "expected"), [
-    ("step", ("optimizer", "optimizer")), ("between steps", ("data", "batch")), ("evaluation", ("eval", "eval"))])
+    ("step", ("optimizer", "optimizer")), ("between steps", ("data", "batch")), ("evaluation", ("eval", "eval")),
+    ("generation", ("model", "generate"))])
 def test_a_crash_outside_any_forward_is_localized_by_the_phase_it_interrupted(phase_of, expected):
-    """The loop raises in its own code (no library frame): after the optimizer's step began, between steps, and
-    after an evaluation forward."""
+    """The loop raises in its own code (no library frame): after the optimizer's step began, between steps, after an
+    evaluation forward, and after a decode step's (one token a row)."""
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     w = faultbench.watch(model, optimizer, report=False, detectors=["bb_crash_site"])
@@ -121,9 +122,9 @@ def test_a_crash_outside_any_forward_is_localized_by_the_phase_it_interrupted(ph
         idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
         F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
         optimizer.step()
-        if phase_of == "evaluation":
+        if phase_of in ("evaluation", "generation"):  # a decode step feeds one token a row
             with torch.no_grad():
-                model(idx)
+                model(idx[:, :1] if phase_of == "generation" else idx)
         raise ValueError("the loop's own bookkeeping")
     assert [(f.subsystem, f.where) for f in w.findings] == [expected]
     assert w.findings[0].evidence["phase"] == phase_of
@@ -166,6 +167,8 @@ def _framework_function(path: str, name: str):
     ("/env/site-packages/transformers/trainer.py", "evaluation_loop", "eval"),
     ("/env/site-packages/accelerate/data_loader.py", "skip_first_batches", "checkpoint"),
     ("/env/site-packages/accelerate/data_loader.py", "__iter__", "data"),
+    ("/env/site-packages/transformers/generation/utils.py", "_update_model_kwargs_for_generation", "position"),
+    ("/env/site-packages/transformers/generation/utils.py", "_sample", "model"),
     ("/env/site-packages/transformers/trainer.py", "_inner_training_loop", "data"),  # no component: the phase's
 ])
 def test_a_crash_in_a_training_frameworks_component_is_that_components(path, name, expected):
