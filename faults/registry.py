@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import dis
 import functools
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -253,6 +254,16 @@ def _load_entry_points() -> None:
         ep.load()
 
 
+def plugin_module_name(path_or_module: str) -> str:
+    """The module a plugin loads as: a .py file's name and a digest of its resolved path (two plugins of one file
+    name in two folders are two modules), or the module's own name."""
+    path = Path(path_or_module)
+    if path.suffix != ".py":
+        return path_or_module
+    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
+    return f"faultbench_plugin_{path.stem}_{digest}"
+
+
 def load_plugin(path_or_module: str) -> None:
     """Import a plugin (a .py file or a module name) that registers faults (or detectors); a plugin that cannot
     be imported raises ``FaultError`` with a one-line reason (the file:line of a syntax error)."""
@@ -261,7 +272,7 @@ def load_plugin(path_or_module: str) -> None:
         raise FaultError(f"plugin {path_or_module} is not a .py file nor a module name")
     if path.suffix == ".py" and not path.is_file():
         raise FaultError(f"plugin file {path} does not exist")
-    name = f"faultbench_plugin_{path.stem}" if path.suffix == ".py" else path_or_module
+    name = plugin_module_name(path_or_module)
     if name in sys.modules:
         return
     try:

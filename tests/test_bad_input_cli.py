@@ -178,7 +178,7 @@ def test_plugin_fault_with_other_closure_variables_is_refused_at_registration(tm
 
 
 def test_plugin_attributes_and_builtins_are_not_undefined_names(tmp_path):
-    from faultbench.faults.registry import load_plugin
+    from faultbench.faults.registry import load_plugin, plugin_module_name
 
     path = _plugin(tmp_path, "fine_names", "tmp_fine_names", '"""Uses attributes, builtins, module globals."""\n'
                    "total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))\n"
@@ -188,7 +188,7 @@ def test_plugin_attributes_and_builtins_are_not_undefined_names(tmp_path):
         assert "tmp_fine_names" in FAULTS
     finally:
         FAULTS.pop("tmp_fine_names", None)
-        sys.modules.pop("faultbench_plugin_fine_names", None)
+        sys.modules.pop(plugin_module_name(path), None)
 
 
 # ---- practice -------------------------------------------------------------------------------------------
@@ -290,3 +290,22 @@ def test_a_cache_entry_with_mistyped_findings_or_history_is_discarded(tmp_path, 
     path.write_text(json.dumps({**record, **change}))
     assert read_cached(path, case) is None and not path.exists()
     assert "discarding the bad cache entry" in capsys.readouterr().err
+
+
+def test_two_plugins_of_one_file_name_in_two_folders_both_load(tmp_path):
+    from faultbench.faults.registry import load_plugin, plugin_module_name
+
+    paths = []
+    for folder, fault_id in (("a", "tmp_same_name_a"), ("b", "tmp_same_name_b")):
+        (tmp_path / folder).mkdir()
+        paths.append(_plugin(tmp_path / folder, "faults", fault_id, '"""A plain loss."""\n'
+                             "return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), "
+                             "labels[:, 1:].reshape(-1))\n"))
+    try:
+        for path in paths:
+            load_plugin(path)
+        assert {"tmp_same_name_a", "tmp_same_name_b"} <= set(FAULTS)  # the second was silently skipped before
+    finally:
+        for path, fault_id in zip(paths, ("tmp_same_name_a", "tmp_same_name_b"), strict=True):
+            FAULTS.pop(fault_id, None)
+            sys.modules.pop(plugin_module_name(path), None)

@@ -8,7 +8,7 @@ import pytest
 
 from faultbench import targets
 from faultbench.detectors.api import DETECTORS, resolve_ids
-from faultbench.faults.registry import FAULTS, Manifest, all_faults
+from faultbench.faults.registry import FAULTS, Manifest, all_faults, plugin_module_name
 from faultbench.harness.bench import BenchConfig, build_matrix, run_bench
 from faultbench.harness.case import MIN_SUBSYSTEMS, RECIPES, Case, NotRunnable, recipe_for, run_case, unmet
 
@@ -28,7 +28,7 @@ def plugin_bench(tmp_path, monkeypatch):
     for name in TEST_DETECTORS:  # keep the registries as other tests expect them
         DETECTORS.pop(name, None)
     FAULTS.pop("test_collate_hangs", None)
-    sys.modules.pop("faultbench_plugin_bench_plugin", None)  # so the next test loads (registers) it again
+    sys.modules.pop(plugin_module_name(PLUGIN), None)  # so the next test loads (registers) it again
 
 
 def test_a_hanging_case_and_a_raising_detector_are_recorded_not_fatal(plugin_bench, monkeypatch):

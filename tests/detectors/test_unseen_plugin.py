@@ -25,7 +25,9 @@ def plugin_loaded():
         FAULTS.pop(fault_id)
     import sys
 
-    sys.modules.pop("faultbench_plugin_unseen_faults", None)
+    from faultbench.faults.registry import plugin_module_name
+
+    sys.modules.pop(plugin_module_name(str(PLUGIN)), None)
 
 
 def test_the_plugin_registers_its_faults(plugin_loaded):
