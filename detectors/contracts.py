@@ -917,7 +917,7 @@ _CONTRACTS = (
     _c("generation.state.fresh-cache",
        "each generation call starts from an empty cache, and no cache reaches a training forward",
        "HF docs, 'Caching' (a cache object belongs to one generation)",
-       BOTH),
+       BOTH, ("bb_generation",)),
     _c("generation.numerics.cache-precision",
        "the cache stores keys and values in the compute dtype: cached and uncached results agree within its "
        "tolerance",

@@ -36,6 +36,7 @@ PAD_LEN = 3  # pads added on each side in the padding probe
 SHIFT = 3  # positions added in the position-shift probe
 PROMPT_LEN, NEW_TOKENS = 8, 2  # the cache probe's prompt (real tokens) and the tokens generate decodes
 GEN_TOKENS = 4  # the generation probe's new tokens (past the first decode step, where a stale step shows)
+GEN_SEED = 1234  # the generation probe's torch seed (a generate that samples draws the same twice)
 ARGMAX_MARGIN = 0.01  # a greedy token this far (a fraction of the logits' range) below the best one was not picked
 SCALE_FACTOR = 2.0  # a next-token loss over this many times ln V before training: logits far too large
 COARSE = 1e-3  # a round's tolerance above this: its forwards ran in bf16 / fp16
@@ -625,7 +626,8 @@ class ProbeRound:
                             "tolerance": tol})
 
     def _generation(self) -> ProbeResult | None:
-        """Greedy generation from the unpadded prompt: it returns the prompt unchanged and then the tokens asked for
+        """Greedy generation from the unpadded prompt: twice under one seed, the same tokens (nothing carried from one
+        call to the next); it returns the prompt unchanged and then the tokens asked for
         (exactly as many where transformers' ``min_new_tokens`` asks); a model's own decode loop (not transformers',
         whose generation config may process the logits) picks each the argmax of one forward over the sequence so
         far (its own next-token prediction)."""
@@ -634,11 +636,17 @@ class ProbeRound:
             raise NotApplicable("the model has no generate of its own")
         prompt = self.ids[:, :PROMPT_LEN]
         try:
-            sequences = lm.generated(prompt, None, GEN_TOKENS)
+            sequences, again = (self._generated_with_seed(prompt, GEN_SEED) for _ in range(2))
         except Exception as exc:  # noqa: BLE001 - said once in the report, not as a finding of unknown place
             raise NotApplicable(f"the model's generate raises {type(exc).__name__}: {exc}") from exc
-        if sequences is None:
+        if sequences is None or again is None:
             raise NotApplicable("the model's generate returns no tensor of sequences")
+        if not torch.equal(sequences, again):
+            return ProbeResult("generation", 1.0, "generate", "model",
+                               "the model's generate, called twice from the same prompt with the same seed, returned "
+                               "other tokens the second time: state from one call reaches the next (a KV cache or a "
+                               "position counter not reset between generations)",
+                               {"first": sequences[0].tolist(), "second": again[0].tolist()})
         T, asked = prompt.shape[1], GEN_TOKENS
         got = sequences.shape[1] - T
         if not torch.equal(sequences[:, :T].to(prompt.device), prompt) or got > asked or (
@@ -657,10 +665,8 @@ class ProbeRound:
         wrong = [k for k in range(got) if float(margin[k]) > ARGMAX_MARGIN]
         if not wrong:
             return None
-        with torch.random.fork_rng(devices=[]):  # its own defaults: greedy only if another seed decodes the same
-            torch.manual_seed(torch.initial_seed() + 1)
-            again = lm.generated(prompt, None, GEN_TOKENS)
-        if again is None or not torch.equal(again, sequences):
+        other = self._generated_with_seed(prompt, GEN_SEED + 1)  # its own defaults: greedy if another seed agrees
+        if other is None or not torch.equal(other, sequences):
             raise NotApplicable("the model's generate samples by default: its tokens need not be the argmax")
         k = wrong[0]
         return ProbeResult("generation", float(margin[k]), "generate", "model",
@@ -669,6 +675,16 @@ class ProbeRound:
                            f"{float(margin[k]):.0%} of the logits' range; {len(wrong)} of {got} new tokens so): its "
                            "decode loop picks from the wrong logits or a stale step",
                            {"new_tokens": got, "not_argmax": wrong, "margin": float(margin[k])})
+
+    def _generated_with_seed(self, prompt: torch.Tensor, seed: int) -> torch.Tensor | None:
+        """``CausalLM.generated`` of GEN_TOKENS tokens under the global torch seed ``seed`` (the RNG restored)."""
+        with torch.random.fork_rng(devices=self._cuda_devices()):
+            torch.manual_seed(seed)
+            return self.lm.generated(prompt, None, GEN_TOKENS)
+
+    def _cuda_devices(self) -> list:
+        device = self.lm.device
+        return [device] if device.type == "cuda" else []
 
     def _teacher_forced_agrees(self, ids: torch.Tensor, mask: torch.Tensor | None, prompt: int, tol: float) -> bool:
         """The generated ``ids`` through ``past_key_values`` (the prompt in one call, then token by token, positions
@@ -921,8 +937,8 @@ class BlackBoxCache(_ActiveProbe):
 class BlackBoxGeneration(_ActiveProbe):
     id = "bb_generation"
     family = "model"
-    description = ("the model's own greedy generate: the prompt kept, the tokens asked for, each (its own decode "
-                   "loop) the argmax of one forward over the sequence so far")
+    description = ("the model's own greedy generate: the same tokens twice under one seed, the prompt kept, the "
+                   "tokens asked for, each (its own decode loop) the argmax of one forward over the sequence so far")
     PROBE = "generation"
     AT_END = True  # an untrained tied model predicts its input token again, as a stale decode step repeats it
 

@@ -30,7 +30,8 @@ class Decoder(GPT):
 
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 20):
         seq = input_ids
-        logits = self(seq)
+        # carried: the logits of the last call kept on the model and used for the next call's first token
+        logits = self.kept if self.bug == "carried" and hasattr(self, "kept") else self(seq)
         for i in range(max_new_tokens):
             last = logits[:, 0 if self.bug == "first_position" else -1]
             if self.temperature > 0:
@@ -40,6 +41,7 @@ class Decoder(GPT):
             seq = torch.cat([seq, token], 1)
             if self.bug != "stale" or i == 0:  # stale: the logits are not refreshed after the first new token
                 logits = self(seq)
+        self.kept = self(seq)
         return torch.cat([seq, seq[:, -1:]], 1) if self.bug == "one_more" else seq
 
 
@@ -56,11 +58,12 @@ def test_silent_on_correct_decoders(seed):
     assert generation(Decoder(), seed) is None
 
 
-@pytest.mark.parametrize("bug", ["first_position", "stale", "one_more"])
+@pytest.mark.parametrize("bug", ["first_position", "stale", "one_more", "carried"])
 def test_a_decode_loop_that_picks_the_wrong_token_or_count_is_found(bug):
     result = generation(Decoder(bug))
     assert result is not None and (result.subsystem, result.where) == ("model", "generate")
     assert ("returned" in result.evidence) == (bug == "one_more")
+    assert ("second" in result.evidence) == (bug == "carried")
 
 
 def test_a_generate_that_samples_by_default_is_not_judged_by_the_argmax():
