@@ -493,7 +493,7 @@ _CONTRACTS = (
     _c("head.isolation.labels-not-inputs",
        "the logits do not depend on the labels handed to the model with the batch (labels reach only the loss)",
        S004 + ": target leakage (a feature computed from the target)",
-       BOTH),
+       BOTH, ("bb_label_isolation",)),
 
     # ------------------------------------------------------------------------------------------------------ loss
     _c("loss.invariance.batch-composition",

@@ -67,6 +67,7 @@ class CausalLM:
     takes_cache: bool = False
     by_name: bool = False
     pass_targets: bool = False
+    label_name: str | None = None  # the keyword its forward takes labels by ("labels", nanoGPT's "targets")
     unpadded_error: Exception | None = field(default=None, repr=False)  # the trial call raised unpadded, not padded
 
     @classmethod
@@ -77,7 +78,8 @@ class CausalLM:
         """
         names = _accepted(model)
         lm = cls(model, takes_attention_mask="attention_mask" in names, takes_position_ids="position_ids" in names,
-                 takes_cache={"past_key_values", "use_cache"} <= names, by_name="input_ids" in names)
+                 takes_cache={"past_key_values", "use_cache"} <= names, by_name="input_ids" in names,
+                 label_name=next((n for n in ("labels", "targets") if n in names), None))
         ids = torch.tensor([[0, 1]], device=lm.device)
         with quiet(model):
             try:
@@ -107,7 +109,7 @@ class CausalLM:
     def _call(self, input_ids: torch.Tensor, **kwargs):
         """One forward in the model's convention; ``kwargs`` only holds names the model declares."""
         if self.pass_targets:
-            kwargs["targets"] = input_ids
+            kwargs.setdefault("targets", input_ids)
         if self.by_name:
             return self.model(input_ids=input_ids, **kwargs)
         return self.model(input_ids, **kwargs)
@@ -123,6 +125,14 @@ class CausalLM:
         """``logits`` in the dtype the model computed them in (float64 in a full-precision probe)."""
         kwargs = self._extras(attention_mask, position_ids)
         return _first_logits(self._call(input_ids, **kwargs), *input_ids.shape)
+
+    def logits_given_labels(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """float logits (B, T, V) of a forward handed ``labels`` (B, T) by the model's own label keyword (its loss
+        computed on the side); ValueError when it takes none."""
+        if self.label_name is None:
+            raise ValueError("the model takes no labels")
+        kwargs = self._extras(None, None) | {self.label_name: labels}
+        return _first_logits(self._call(input_ids, **kwargs), *input_ids.shape).float()
 
     def _extras(self, attention_mask, position_ids) -> dict:
         extras = {"attention_mask": (attention_mask, self.takes_attention_mask),

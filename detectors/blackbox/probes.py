@@ -86,12 +86,14 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def traced(model: torch.nn.Module):
-    """Yields the list of ``_Call``s of every submodule's forward (completion order) while the block runs."""
+def traced(model: torch.nn.Module, copies: bool = False):
+    """Yields the list of ``_Call``s of every submodule's forward (completion order) while the block runs;
+    ``copies``: the outputs as they were returned (a later in-place change to them is not recorded)."""
     calls: list[_Call] = []
 
     def record(name, module, args, kwargs, output):
-        calls.append(_Call(name, _tensors((args, kwargs)), _tensors(output)))
+        outputs = _tensors(output)
+        calls.append(_Call(name, _tensors((args, kwargs)), [t.clone() for t in outputs] if copies else outputs))
 
     handles = [m.register_forward_hook(functools.partial(record, name), with_kwargs=True)
                for name, m in model.named_modules() if name]
@@ -625,6 +627,30 @@ class ProbeRound:
                            {"per_token_gap": dict(zip(("unpadded", "left_padded"), gaps, strict=False)),
                             "tolerance": tol})
 
+    def _label_isolation(self) -> ProbeResult | None:
+        """The logits of a forward that is handed labels do not depend on them: the row with its own next tokens as
+        labels and with other tokens give the same logits (and the same as without labels where it returns them)."""
+        lm = self.lm
+        if lm.label_name is None:
+            raise NotApplicable("the model's forward takes no labels")
+        ids = self.ids
+        with traced(lm.model, copies=True) as calls_own:  # copies: the loss may change the logits in place after
+            own = lm.logits_given_labels(ids, ids)
+        with traced(lm.model, copies=True) as calls_other:
+            other = lm.logits_given_labels(ids, self.changed)
+        tol = self.plain().tol
+        gap = relative_gap(own, other)
+        if gap <= tol:
+            return None
+        region = _rows(tuple(ids.shape), lambda t: t)
+        where = first_broken(calls_own, calls_other, region, region, tol)
+        inside = where is not None
+        return ProbeResult("label_isolation", gap, where if inside else "loss", "model" if inside else "loss",
+                           f"the logits change with the labels handed to the forward (relative gap {gap:.3g}): "
+                           + (f"the labels reach the model's computation (first in {where})" if inside else
+                              "no module's output changes, the logits returned do: the loss computed from them "
+                              "changes them in place"), {"tolerance": tol})
+
     def _generation(self) -> ProbeResult | None:
         """Greedy generation from the unpadded prompt: twice under one seed, the same tokens (nothing carried from one
         call to the next); it returns the prompt unchanged and then the tokens asked for
@@ -712,7 +738,8 @@ GATES = {"output_contract": ("determinism",), "causality": ("determinism",), "po
          "attention_distribution": ("determinism", "positions_used"),
          "padding_invariance": ("determinism", "causality", "positions_used"),
          "cache_consistency": ("determinism", "causality", "padding_invariance", "positions_used"),
-         "generation": ("determinism", "causality")}
+         "generation": ("determinism", "causality"),
+         "label_isolation": ("determinism",)}
 
 
 # the single-probe API (one round per call): what tests and a user's own checks call
@@ -727,9 +754,9 @@ def _single(probe: str):
 
 
 PROBES = ("determinism", "output_contract", "causality", "padding_invariance", "position_shift", "positions_used",
-          "attention_distribution", "cache_consistency", "generation")
+          "attention_distribution", "cache_consistency", "generation", "label_isolation")
 determinism, output_contract, causality, padding_invariance, position_shift, positions_used, attention_distribution, \
-    cache_consistency, generation = (_single(p) for p in PROBES)
+    cache_consistency, generation, label_isolation = (_single(p) for p in PROBES)
 
 
 # ---- label alignment: the loop's loss vs next-token NLL from the same logits ----
@@ -941,6 +968,15 @@ class BlackBoxGeneration(_ActiveProbe):
                    "tokens asked for, each (its own decode loop) the argmax of one forward over the sequence so far")
     PROBE = "generation"
     AT_END = True  # an untrained tied model predicts its input token again, as a stale decode step repeats it
+
+
+@register
+class BlackBoxLabelIsolation(_ActiveProbe):
+    id = "bb_label_isolation"
+    family = "loss"
+    description = "the loop's row handed its own and other tokens as labels: the logits do not depend on the labels"
+    PROBE = "label_isolation"
+    CONFIDENCE = 0.8
 
 
 @register

@@ -84,7 +84,9 @@ def test_silent_on_clean_gpt2_whose_learned_positions_make_the_shift_probes_not_
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_silent_on_the_clean_reference_gpt_through_its_own_generate(seed):
-    assert run_probes(ref_gpt(seed), ids(64, (4, 16), seed)) == dict.fromkeys(MODEL_PROBES)
+    """Its forward takes no labels (the loop computes the loss): the label probe has nothing to hand them to."""
+    assert run_probes(ref_gpt(seed), ids(64, (4, 16), seed)) == {**dict.fromkeys(MODEL_PROBES),
+                                                                 "label_isolation": "n/a"}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -112,7 +114,8 @@ def test_silent_on_clean_nanogpt_and_not_applicable_where_it_takes_no_such_call(
     assert run_probes(nano(seed), x) == {"determinism": None, "output_contract": None, "causality": None,
                                          "padding_invariance": "n/a", "position_shift": "n/a",
                                          "positions_used": "n/a", "attention_distribution": "n/a",
-                                         "cache_consistency": "n/a", "generation": "n/a"}
+                                         "cache_consistency": "n/a", "generation": "n/a",
+                                         "label_isolation": None}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -267,12 +270,12 @@ def forwards_of_a_round(lm: CausalLM, batch: torch.Tensor) -> int:
 def test_a_clean_round_costs_a_fixed_handful_of_forwards():
     """HF: the plain and the padded forward, generate's NEW_TOKENS calls, one forward over what it generated, and
     the generation probe's two generations of GEN_TOKENS calls (the reference: and one forward over them, its own
-    decode loop judged);
+    decode loop judged), and two forwards handed labels where the model takes them;
     nanoGPT (no mask, positions or generate): the plain forward only. Wall time printed for the report."""
     hf, nanogpt_lm = CausalLM.wrap(llama(0)), nano(0)
-    assert forwards_of_a_round(hf, ids(64, (4, 16))) == 3 + probes.NEW_TOKENS + 2 * probes.GEN_TOKENS
+    assert forwards_of_a_round(hf, ids(64, (4, 16))) == 5 + probes.NEW_TOKENS + 2 * probes.GEN_TOKENS
     assert forwards_of_a_round(ref_gpt(0), ids(64, (4, 16))) == 4 + probes.NEW_TOKENS + 2 * probes.GEN_TOKENS
-    assert forwards_of_a_round(nanogpt_lm, nano_batch(0)[0]) == 1
+    assert forwards_of_a_round(nanogpt_lm, nano_batch(0)[0]) == 3
     timings = {}
     for name, lm, batch in (("hf", hf, ids(64, (4, 16))), ("nanogpt", nanogpt_lm, nano_batch(0)[0])):
         start = time.perf_counter()
@@ -323,7 +326,7 @@ def hf_trainer_run(tmp_path_factory):
 
 PROBE_DETECTORS = ["bb_eval_determinism", "bb_output_contract", "bb_causality", "bb_padding_invariance",
                    "bb_cache_consistency", "bb_position_shift", "bb_positions_used", "bb_attention_distribution",
-                   "bb_label_alignment", "bb_generation"]
+                   "bb_label_alignment", "bb_generation", "bb_label_isolation"]
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "bf16", "left_pad"])
