@@ -481,7 +481,7 @@ _CONTRACTS = (
        "weights tied before a save, a device move or a wrap are still one tensor (with one optimizer state) "
        "after it",
        HF_COMMON + "::test_model_weights_reload_no_missing_tied_weights",
-       BOTH),
+       BOTH, ("bb_resume_state",)),
     _c("head.numerics.initial-loss",
        "before training the next-token loss is close to ln V (a near-uniform prediction), not many times it",
        KARPATHY + ": verify loss @ init",

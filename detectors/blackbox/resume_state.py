@@ -1,5 +1,6 @@
 """A resumed run starts from the state its checkpoint saved (black-box track): ``checkpoint.accounting.complete``
-and ``checkpoint.numerics.bitwise-roundtrip`` for the weights and the optimizer's state.
+and ``checkpoint.numerics.bitwise-roundtrip`` for the weights and the optimizer's state, ``head.state.tie-survives-
+load`` for the model's layout (tied weights still one tensor, every dtype kept).
 
 When the loop saves a checkpoint (it reads the model's state between steps: ``on_save``), ``bb_resume_state``
 records a fingerprint of every parameter and of the optimizer's per-parameter state (float64 sum and sum of squares
@@ -29,6 +30,19 @@ def _fingerprint(t: torch.Tensor) -> tuple[float, float]:
 
 def model_fingerprint(model: torch.nn.Module) -> dict[str, tuple[float, float]]:
     return {name: _fingerprint(p) for name, p in model.named_parameters()}
+
+
+def model_layout(model: torch.nn.Module) -> dict:
+    """What a restore must keep besides values: each parameter's dtype, and which names share one tensor (tied
+    weights; ``named_parameters`` lists a shared tensor once, so every name is read from the modules)."""
+    names: dict[int, list[str]] = {}
+    dtypes = {}
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            names.setdefault(id(p), []).append(full)
+            dtypes[full] = str(p.dtype)
+    return {"dtypes": dtypes, "tied": sorted(sorted(group) for group in names.values() if len(group) > 1)}
 
 
 def optimizer_fingerprint(optimizer) -> dict[str, tuple[float, float]]:
@@ -71,7 +85,8 @@ class ResumeState(BlackBoxDetector):
 
     def on_save(self, ctx: WatchContext) -> None:
         ctx.saved_states.setdefault(ctx.step, {}).update(
-            weights=model_fingerprint(ctx.model), optimizer=optimizer_fingerprint(ctx.optimizer))
+            weights=model_fingerprint(ctx.model), optimizer=optimizer_fingerprint(ctx.optimizer),
+            layout=model_layout(ctx.model))
 
     def on_start(self, ctx: WatchContext) -> None:
         prev = ctx.previous
@@ -82,6 +97,17 @@ class ResumeState(BlackBoxDetector):
         if self._weights_checked or self._saved is None:
             return
         self._weights_checked = True
+        saved, now = self._saved.get("layout"), model_layout(ctx.model)
+        if saved and saved != now:
+            untied = [g for g in saved["tied"] if g not in now["tied"]]
+            recast = sorted(k for k, v in saved["dtypes"].items() if now["dtypes"].get(k, v) != v)
+            self.report_once("layout", ctx, "checkpoint", "checkpoint",
+                             f"the loop resumed at step {ctx.start_step} with a model laid out unlike the one it "
+                             "saved: " + "; ".join(
+                                 ([f"{' and '.join(untied[0])} were one tied tensor and are not"] if untied else [])
+                                 + ([f"{len(recast)} parameters changed dtype ({recast[0]})"] if recast else [])
+                                 or ["its parameters differ in name or sharing"]),
+                             {"kind": "layout", "untied": untied[:3], "recast": recast[:5]}, confidence=0.8)
         self._judge(ctx, "weights", "the model's weights", self._saved.get("weights"), model_fingerprint(ctx.model))
 
     def on_before_step(self, ctx: WatchContext) -> None:

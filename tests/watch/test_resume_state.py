@@ -1,7 +1,7 @@
 """bb_resume_state: a resumed segment starts from the weights and optimizer state its checkpoint saved at that step.
 The loop saves inside its watched loop, as real loops do; the resume is a fresh model and optimizer loaded from it.
 Silent on a correct resume and on one from a checkpoint of another step; found when the model or the optimizer is
-not restored, or a moment is saved in half precision."""
+not restored, a moment is saved in half precision, or the tied head comes back as a copy."""
 
 from __future__ import annotations
 
@@ -52,7 +52,11 @@ def _resume(seed: int, bug: str | None = None, resume_at: int = RESUME):
                 per_param[key] = per_param[key].bfloat16().float()
     load = {"model_lost": ("optimizer", "scheduler"), "optimizer_lost": ("model", "scheduler")}.get(
         bug, ("model", "optimizer", "scheduler"))
-    second, _ = _train(_parts(seed + 50, state, load), batches, resume_at, STEPS, previous=first)
+    parts = _parts(seed + 50, state, load)
+    if bug == "untied":  # the resumed head gets a copy of the embedding instead of sharing it
+        model = parts[0]
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    second, _ = _train(parts, batches, resume_at, STEPS, previous=first)
     return second
 
 
@@ -68,7 +72,7 @@ def test_a_resume_from_an_older_checkpoint_compares_with_that_one():
 
 
 @pytest.mark.parametrize(("bug", "kind"), [("model_lost", "weights"), ("optimizer_lost", "optimizer"),
-                                           ("half_moments", "optimizer")])
+                                           ("half_moments", "optimizer"), ("untied", "layout")])
 def test_state_the_checkpoint_did_not_restore_is_found(bug, kind):
     findings = _resume(0, bug).findings
     assert [(f.detector, f.subsystem, f.evidence["kind"]) for f in findings] == [("bb_resume_state", "checkpoint",
