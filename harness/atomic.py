@@ -34,3 +34,39 @@ def check_replaceable(path, marker: str, what: str) -> None:
     if path.exists() and not (path.is_dir() and ((path / marker).exists() or not any(path.iterdir()))):
         raise ValueError(f"{path} exists and is not a {what} (no {marker}): refusing to replace it; give a new "
                          "folder")
+
+
+NAME_MAX = 255  # bytes in one path component (Linux, macOS)
+
+
+def check_output(path, flag: str, *, force: bool = False, folder_of: str | None = None) -> Path:
+    """One policy for every command's output path, checked before any work (ValueError, one line): never ``''``,
+    no component longer than ``NAME_MAX``, no file where a folder is meant or the reverse, nothing under an
+    unwritable folder. A file: its folder exists, and an existing file is replaced only with ``force``. A folder
+    (``folder_of``: the file a previous output holds, e.g. summary.json): missing parents are made; an existing
+    folder holding other files and no ``folder_of`` is written into only with ``force``."""
+    if path is None or not str(path).strip():
+        raise ValueError(f"{flag} '' names no {'folder' if folder_of else 'file'}")
+    path = Path(path)
+    long = next((part for part in path.parts if len(part.encode()) > NAME_MAX), None)
+    if long is not None:
+        raise ValueError(f"{flag} {str(path)[:60]}...: a name longer than {NAME_MAX} bytes ({long[:20]}...)")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing != path and not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, not a folder")
+    if not os.access(existing if existing.is_dir() else existing.parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: {existing} is not writable")
+    if folder_of is None:
+        if path.is_dir():
+            raise ValueError(f"{flag} {path} is a folder, not a file")
+        if not path.parent.is_dir():
+            raise ValueError(f"{flag} {path}: its folder {path.parent} does not exist")
+        if path.exists() and not force:
+            raise ValueError(f"{flag} {path} exists: pass --force to replace it, or name another file")
+        return path
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a folder")
+    if path.is_dir() and any(path.iterdir()) and not (path / folder_of).exists() and not force:
+        raise ValueError(f"{flag} {path} holds files of something else (no {folder_of}): pass --force to write "
+                         "into it, or name another folder")
+    return path

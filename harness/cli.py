@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from faultbench.harness.atomic import check_replaceable
+from faultbench.harness.atomic import check_output, check_replaceable
 from faultbench.model.config import PAD_SIDES, PRECISIONS, PRESETS, get_preset
 from faultbench.model.seams import SUBSYSTEMS
 
@@ -89,8 +89,9 @@ def _train(args) -> int:
     from faultbench.model.distributed import init_from_env
 
     torch.set_num_threads(args.threads)
-    if args.save:
+    if args.save is not None:
         check_replaceable(args.save, "meta.json", "checkpoint")
+        check_output(args.save, "--save", force=True, folder_of="meta.json")
     base = _runnable_preset(args.preset)
     launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun else args.world_size
@@ -222,6 +223,8 @@ def _run(args) -> int:
         raise ValueError(f"--fault: the faults belong to different targets ({', '.join(sorted(stacks))}); "
                          "run one target's faults at a time")
     (target,) = stacks
+    if args.plot is not None:  # before the runs, not after them
+        check_output(args.plot, "--plot", force=args.force)
     if args.detectors:
         return _run_detectors(args)
     if target != "ref":
@@ -372,12 +375,10 @@ def _bench(args) -> int:
         args.plugin = [*(args.plugin or ()), ADMITTED_PLUGIN]
         args.only_plugin_faults = True
         args.out = args.out or "results/mutants"
-    if args.out == "":
-        raise ValueError("--out '' names no folder")
-    args.out = args.out or "results"
-    for flag, folder in (("--out", args.out), ("--bundles", args.bundles)):
-        if folder and Path(folder).exists() and not Path(folder).is_dir():
-            raise ValueError(f"{flag} {folder} is a file, not a folder")
+    args.out = check_output("results" if args.out is None else args.out, "--out", force=args.force,
+                            folder_of="summary.json")
+    if args.bundles is not None:
+        check_output(args.bundles, "--bundles", force=args.force, folder_of="bundle.json")
     if args.only_plugin_faults and not args.plugin:
         raise ValueError("--only-plugin-faults needs a --plugin that registers faults")
     cfg = BenchConfig(seeds=seeds, targets=args.target, detectors=tuple(args.detectors or ("all",)),
@@ -429,11 +430,7 @@ def _mutate(args) -> int:
 
     out = Path(args.out) if args.out else None
     if args.admit:
-        path = out or mutants.admitted_path()
-        if path.exists() and not args.force:
-            raise ValueError(f"{path} exists: pass --force to replace it, or --out another file")
-        if not path.parent.is_dir():
-            raise ValueError(f"--out {path}: its folder {path.parent} does not exist")
+        path = check_output(out or mutants.admitted_path(), "--out", force=args.force)
         doc = mutants.admit(args.target, per_cell=args.per_cell, jobs=args.jobs, limit=args.sample,
                             progress=not args.json)
         mutants.write(doc, path)
@@ -486,6 +483,8 @@ def _practice(args) -> int:
     if cmd == "rubric":
         print(rubric(args.fault), end="")
     elif cmd in ("new", "export"):
+        if getattr(args, "archive", None) is not None:  # refused before the exercise and its key are written
+            check_output(args.archive, "--archive", force=args.force)
         where = practice.new_exercise(args.dir, args.seed, args.fault, args.subsystem, args.difficulty, keys)
         if getattr(args, "archive", None):
             print(f"archive to hand over: {practice.export_archive(where, args.archive, keys)}")
@@ -499,6 +498,8 @@ def _practice(args) -> int:
     elif cmd == "history":
         print(practice_session.history_table(practice_session.history(keys)), end="")
     elif cmd == "report":
+        if args.out is not None:
+            check_output(args.out, "--out", force=args.force)
         text = practice_session.report(args.dir, keys)
         if args.out:
             from faultbench.harness.atomic import write_text
@@ -582,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--accum", type=_positive_int)
     run.add_argument("--world-size", type=int, default=1, choices=(1, 2))
     run.add_argument("--plot", metavar="FILE.png", help="draw loss, grad norm, LR, scale, tokens/s: faulty vs clean")
+    run.add_argument("--force", action="store_true", help="replace an existing --plot file")
     run.add_argument("--detectors", nargs="+", metavar="ID",
                      help="run the fault in its bench recipe with these detectors ('all', 'suite', 'baselines' or "
                           "ids) and show the ranked findings")
@@ -630,6 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="score the admitted mutant set (faults/mutants/mutants-v1.json) instead of the registry: "
                             "one seed unless --seeds says otherwise, written to results/mutants/ unless --out says")
     bench.add_argument("--out", help="output folder (default results/)")
+    bench.add_argument("--force", action="store_true",
+                       help="write into an --out or --bundles folder that holds files of something else")
     bench.add_argument("--no-cache", action="store_true", help="recompute every case")
     bench.add_argument("--bundles", metavar="DIR",
                        help="write a repro bundle for every case where a detector fires (runs every case anew)")
@@ -667,6 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
         new.add_argument("--subsystem", choices=SUBSYSTEMS)
         new.add_argument("--difficulty", choices=("easy", "medium", "hard"))
     practice_sub.choices["export"].add_argument("--archive", metavar="FILE.tar.gz")
+    practice_sub.choices["export"].add_argument("--force", action="store_true", help="replace an existing archive")
     for name, text in (("hint", "the next staged hint"), ("check", "is the edited copy repaired? (exit 0/1/2)"),
                        ("reveal", "the diff, the explanation, the fix, the real bug"),
                        ("status", "time used and left, hints, answers, checks"),
@@ -674,6 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = practice_sub.add_parser(name, help=text)
         p.add_argument("dir")
     practice_sub.choices["report"].add_argument("--out", metavar="FILE.md")
+    practice_sub.choices["report"].add_argument("--force", action="store_true", help="replace an existing --out file")
     start = practice_sub.add_parser("start", help="start the clock with a time budget")
     start.add_argument("dir")
     start.add_argument("--minutes", type=_positive_float, required=True)

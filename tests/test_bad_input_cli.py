@@ -309,3 +309,28 @@ def test_two_plugins_of_one_file_name_in_two_folders_both_load(tmp_path):
         for path, fault_id in zip(paths, ("tmp_same_name_a", "tmp_same_name_b"), strict=True):
             FAULTS.pop(fault_id, None)
             sys.modules.pop(plugin_module_name(path), None)
+
+
+def test_every_output_path_follows_one_policy_before_any_work(tmp_path, capsys):
+    """'' , a missing folder, an over-long name, a file the command did not write, a folder of something else:
+    each refused in one line, before the run, and nothing there changes (issue 23: committed results overwritten
+    after a whole run, an export half-made)."""
+    mine = tmp_path / "leaderboard.md"
+    mine.write_text("committed")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "main.py").write_text("mine")
+    long = "x" * 300
+    for argv, refusal in (
+        (["bench", "--out", ""], "--out '' names no folder"),
+        (["bench", "--out", str(tmp_path / "src")], "holds files of something else (no summary.json)"),
+        (["bench", "--out", str(tmp_path / long)], "a name longer than 255 bytes"),
+        (["bench", "--out", str(mine / "inside")], f"{mine} is a file, not a folder"),
+        (["run", "--fault", "label_permute", "--plot", str(mine)], "exists: pass --force to replace it"),
+        (["run", "--fault", "label_permute", "--plot", str(tmp_path / "missing" / "p.png")], "does not exist"),
+        (["practice", "report", str(tmp_path), "--out", str(mine)], "exists: pass --force to replace it"),
+        (["practice", "export", "--dir", str(tmp_path / "ex"), "--archive", str(mine)], "pass --force"),
+        (["mutate", "--admit", "--out", str(tmp_path / long / "set.json")], "a name longer than 255 bytes"),
+    ):
+        _one_line_error(capsys, argv, refusal)
+    assert mine.read_text() == "committed" and (tmp_path / "src" / "main.py").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["leaderboard.md", "src"]  # no half-made exercise
