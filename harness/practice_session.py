@@ -73,8 +73,24 @@ def _minutes(seconds: float | None) -> str:
 def history(keys=None, clock: Clock = time.time) -> list[dict]:
     """Every exercise with a key in the keys folder, oldest first, as ``summary`` rows."""
     now = clock()
-    keys_ = [json.loads(p.read_text()) for p in Path(keys_dir(keys)).glob("*.json")]
+    folder = Path(keys_dir(keys))
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--keys {folder} is a file, not a folder of answer keys")
+    keys_ = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            key = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{path} is not an answer key ({type(e).__name__}): is {folder} a keys folder?") from None
+        if not (isinstance(key, dict) and isinstance(key.get("created"), (int, float))
+                and all(isinstance(key.get(k), kind) for k, kind in KEY_FIELDS.items())):
+            raise ValueError(f"{path} is not an answer key (no created, fault, difficulty, events): is {folder} a "
+                             "keys folder?")
+        keys_.append(key)
     return [summary(k, now) for k in sorted(keys_, key=lambda k: k["created"])]
+
+
+KEY_FIELDS = {"fault": str, "difficulty": str, "events": list}  # what a history row reads of a key
 
 
 HISTORY_COLUMNS = ("difficulty", "attempts", "hints", "reveals", "to_subsystem_s", "to_seam_s", "to_repair_s")

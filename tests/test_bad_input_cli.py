@@ -334,3 +334,10 @@ def test_every_output_path_follows_one_policy_before_any_work(tmp_path, capsys):
         _one_line_error(capsys, argv, refusal)
     assert mine.read_text() == "committed" and (tmp_path / "src" / "main.py").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["leaderboard.md", "src"]  # no half-made exercise
+
+
+def test_practice_history_of_a_folder_that_holds_no_keys_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text('{"cases": 1}')
+    _one_line_error(capsys, ["practice", "history", "--keys", str(tmp_path)], "summary.json is not an answer key")
+    (tmp_path / "summary.json").write_text("{not json")
+    _one_line_error(capsys, ["practice", "history", "--keys", str(tmp_path)], "is not an answer key (JSONDecodeError)")
