@@ -885,6 +885,9 @@ class _ActiveProbe(BlackBoxDetector):
     RECHECK = False  # a faint dependence an untrained model hides under bf16 rounding: checked again at the end
     AT_END = False  # a property an untrained model may keep by chance: checked again at the end, trained
 
+    def again_at_end(self, ctx) -> bool:
+        return self.AT_END
+
     def __init__(self) -> None:
         super().__init__()
         self.done = self.coarse = False
@@ -895,7 +898,7 @@ class _ActiveProbe(BlackBoxDetector):
                 self._run(ctx)
 
     def on_end(self, ctx) -> None:
-        if not self.done or ((self.AT_END or self.RECHECK and self.coarse) and not self.findings):
+        if not self.done or ((self.again_at_end(ctx) or self.RECHECK and self.coarse) and not self.findings):
             with contextlib.suppress(ShortBatch):
                 self._run(ctx)
 
@@ -968,6 +971,10 @@ class BlackBoxGeneration(_ActiveProbe):
                    "tokens asked for, each (its own decode loop) the argmax of one forward over the sequence so far")
     PROBE = "generation"
     AT_END = True  # an untrained tied model predicts its input token again, as a stale decode step repeats it
+
+    def again_at_end(self, ctx) -> bool:
+        """Only a model's own decode loop, whose tokens are judged against the trained model's argmax."""
+        return not ctx.lm.greedy_declared
 
 
 @register
