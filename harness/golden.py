@@ -19,6 +19,7 @@ first micro-batches.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -121,6 +122,25 @@ def _key(recipe: str, target: str = "ref") -> str:
     return f"{target}/{recipe}-{hashlib.sha1(definition.encode()).hexdigest()[:8]}"
 
 
+def read_cache(path: Path) -> dict:
+    """The golden cache at ``path``: {key: {"seeds": [...], "runs": [trace, ...]}}; a file that is not one
+    (truncated, not JSON, another shape) is reported by path on stderr, deleted and recorded again ({})."""
+    if not path.exists():
+        return {}
+    try:
+        golden = json.loads(path.read_text())
+        problem = None if isinstance(golden, dict) and all(
+            isinstance(e, dict) and isinstance(e.get("runs"), list) and all(isinstance(r, dict) for r in e["runs"])
+            for e in golden.values()) else "not a golden cache ({key: {seeds, runs}})"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    if problem is None:
+        return golden
+    print(f"faultbench: discarding the bad golden cache {path} ({problem}); recording it again", file=sys.stderr)
+    path.unlink(missing_ok=True)
+    return {}
+
+
 def load_golden(recipes, pool=None, run_cases=None, target: str = "ref") -> dict:
     """The golden entry of every recipe of ``target`` in ``recipes``, recorded (and cached) where missing.
 
@@ -130,7 +150,7 @@ def load_golden(recipes, pool=None, run_cases=None, target: str = "ref") -> dict
     from faultbench.harness.case import execute
 
     path = CACHE / f"{target}-{digest(target)}.json"
-    golden = json.loads(path.read_text()) if path.exists() else {}
+    golden = read_cache(path)
     missing = golden_cases([r for r in recipes if _key(r, target) not in golden], target)
     if missing:
         records = run_cases(missing) if run_cases else [execute(case, None, pool) for case in missing]

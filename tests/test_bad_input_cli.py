@@ -341,3 +341,16 @@ def test_practice_history_of_a_folder_that_holds_no_keys_is_refused_in_one_line(
     _one_line_error(capsys, ["practice", "history", "--keys", str(tmp_path)], "summary.json is not an answer key")
     (tmp_path / "summary.json").write_text("{not json")
     _one_line_error(capsys, ["practice", "history", "--keys", str(tmp_path)], "is not an answer key (JSONDecodeError)")
+
+
+@pytest.mark.parametrize("content", ["[]", '{"ref/fp32-x": {"runs": "none"}}', '{"ref/fp32-x": {"seeds": [1, 2], "ru'])
+def test_a_bad_golden_cache_is_named_deleted_and_recorded_again(tmp_path, capsys, content):
+    from faultbench.harness.golden import read_cache
+
+    path = tmp_path / "ref-abc.json"
+    path.write_text(content)
+    assert read_cache(path) == {} and not path.exists()
+    assert f"discarding the bad golden cache {path}" in capsys.readouterr().err
+    good = {"ref/fp32-x": {"seeds": [1000], "runs": [{"loss": [5.0]}]}}
+    path.write_text(json.dumps(good))
+    assert read_cache(path) == good
