@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -70,3 +72,22 @@ def check_output(path, flag: str, *, force: bool = False, folder_of: str | None 
         raise ValueError(f"{flag} {path} holds files of something else (no {folder_of}): pass --force to write "
                          "into it, or name another folder")
     return path
+
+
+def read_cached_json(path, what: str, problem=lambda value: None):
+    """The JSON value cached at ``path``, or None: absent, or bad (unreadable, not JSON, or ``problem(value)``
+    names what is wrong with it), in which case it is reported by path on stderr and deleted, so the caller
+    computes it again and never uses it."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text())
+        wrong = problem(value)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        wrong = f"{type(e).__name__}: {e}"
+    if wrong is None:
+        return value
+    print(f"faultbench: discarding the bad {what} {path} ({wrong}); computing it again", file=sys.stderr)
+    path.unlink(missing_ok=True)
+    return None

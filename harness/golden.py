@@ -19,13 +19,12 @@ first micro-batches.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from faultbench.detectors.api import Detector, RunContext
-from faultbench.harness.atomic import write_text
+from faultbench.harness.atomic import read_cached_json, write_text
 from faultbench.harness.watched import WATCH_HISTORY, WATCH_RECORDER
 
 GOLDEN_SEEDS = (1000, 1001)
@@ -124,21 +123,13 @@ def _key(recipe: str, target: str = "ref") -> str:
 
 def read_cache(path: Path) -> dict:
     """The golden cache at ``path``: {key: {"seeds": [...], "runs": [trace, ...]}}; a file that is not one
-    (truncated, not JSON, another shape) is reported by path on stderr, deleted and recorded again ({})."""
-    if not path.exists():
-        return {}
-    try:
-        golden = json.loads(path.read_text())
-        problem = None if isinstance(golden, dict) and all(
-            isinstance(e, dict) and isinstance(e.get("runs"), list) and all(isinstance(r, dict) for r in e["runs"])
-            for e in golden.values()) else "not a golden cache ({key: {seeds, runs}})"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        problem = f"{type(e).__name__}: {e}"
-    if problem is None:
-        return golden
-    print(f"faultbench: discarding the bad golden cache {path} ({problem}); recording it again", file=sys.stderr)
-    path.unlink(missing_ok=True)
-    return {}
+    (truncated, not JSON, another shape) is reported by path, deleted and recorded again ({})."""
+    def problem(golden) -> str | None:
+        ok = isinstance(golden, dict) and all(isinstance(e, dict) and isinstance(e.get("runs"), list)
+                                              and all(isinstance(r, dict) for r in e["runs"]) for e in golden.values())
+        return None if ok else "not a golden cache ({key: {seeds, runs}})"
+
+    return read_cached_json(path, "golden cache", problem) or {}
 
 
 def load_golden(recipes, pool=None, run_cases=None, target: str = "ref") -> dict:

@@ -19,7 +19,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from faultbench.harness.atomic import write_text
+from faultbench.harness.atomic import read_cached_json, write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_TIMEOUT_S = 600.0  # a colleague's train.py run that takes longer hangs
@@ -59,8 +59,9 @@ def reference_cached(kind: str, key: dict, sources: tuple[str, ...], compute):
 
     blob = json.dumps({"key": key, "code": source_digest(*sources)}, sort_keys=True)
     path = ROOT / ".cache" / "practice-reference" / kind / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
-    if path.exists():
-        return json.loads(path.read_text())
+    cached = read_cached_json(path, "practice reference")
+    if cached is not None:
+        return cached
     value = compute()
     write_text(path, json.dumps(value))
     return value

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -98,7 +99,12 @@ def load_or_train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     digest = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
     path = cache_dir() / f"tokenizer-{digest}-v{vocab_size}-tk{tokenizers.__version__}.json"
     if path.exists():
-        return Tokenizer.from_json(path.read_text())
+        try:
+            return Tokenizer.from_json(path.read_text())
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: trained again, never used
+            print(f"discarding the bad tokenizer cache {path} ({type(e).__name__}); training it again",
+                  file=sys.stderr)
+            path.unlink(missing_ok=True)
     tok = train_tokenizer(texts, vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     # atomic: concurrent test workers may train the same tokenizer; the last rename wins, all equal

@@ -354,3 +354,26 @@ def test_a_bad_golden_cache_is_named_deleted_and_recorded_again(tmp_path, capsys
     good = {"ref/fp32-x": {"seeds": [1000], "runs": [{"loss": [5.0]}]}}
     path.write_text(json.dumps(good))
     assert read_cache(path) == good
+
+
+def test_a_truncated_tokenizer_or_practice_reference_cache_is_computed_again(tmp_path, capsys, monkeypatch):
+    from faultbench.harness import practice_runs
+    from faultbench.model.tokenizer import load_or_train_tokenizer
+
+    monkeypatch.setenv("TOKENIZER_CACHE_DIR", str(tmp_path))
+    texts = ["the cat sat", "a dog ran far", "the dog sat"] * 20
+    first = load_or_train_tokenizer(texts, 300)
+    (cached,) = tmp_path.glob("tokenizer-*.json")
+    cached.write_text(cached.read_text()[:100])  # truncated
+    again = load_or_train_tokenizer(texts, 300)
+    assert again.encode("the cat ran") == first.encode("the cat ran")
+    assert f"discarding the bad tokenizer cache {cached}" in capsys.readouterr().err
+
+    monkeypatch.setattr(practice_runs, "ROOT", tmp_path)
+    calls = []
+    compute = lambda: calls.append(1) or {"loss": 1.0}  # noqa: E731
+    assert practice_runs.reference_cached("k", {"a": 1}, (), compute) == {"loss": 1.0}
+    (entry,) = (tmp_path / ".cache" / "practice-reference" / "k").glob("*.json")
+    entry.write_text('{"loss": 1.')
+    assert practice_runs.reference_cached("k", {"a": 1}, (), compute) == {"loss": 1.0} and len(calls) == 2
+    assert f"discarding the bad practice reference {entry}" in capsys.readouterr().err
