@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import torch
@@ -59,8 +60,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
     return value
 
 
@@ -483,6 +484,8 @@ def _practice(args) -> int:
     if cmd == "rubric":
         print(rubric(args.fault), end="")
     elif cmd in ("new", "export"):
+        if args.fault == "":
+            raise ValueError("--fault '' names no fault (leave it out for a hidden one)")
         if getattr(args, "archive", None) is not None:  # refused before the exercise and its key are written
             check_output(args.archive, "--archive", force=args.force)
         where = practice.new_exercise(args.dir, args.seed, args.fault, args.subsystem, args.difficulty, keys)
@@ -545,8 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="data-parallel ranks (gloo on CPU); under torchrun its WORLD_SIZE wins")
     train.add_argument("--zero", action="store_true", help="shard optimizer state across ranks (ZeRO)")
     train.add_argument("--timeout", type=_positive_float, default=3600, help="seconds before a hung rank is killed")
-    train.add_argument("--threads", type=_positive_int, default=1, help="torch threads (small models run fastest on 1)")
-    train.add_argument("--log-every", type=_positive_int, default=50)
+    train.add_argument("--threads", type=_at_most(MAX_JOBS), default=1,
+                       help="torch threads (small models run fastest on 1)")
+    train.add_argument("--log-every", type=_at_most(MAX_STEPS), default=50)
     train.add_argument("--save", metavar="DIR", help="write a checkpoint here at the end")
     train.add_argument("--resume", metavar="DIR", help="continue from this checkpoint")
     train.add_argument("--json", action="store_true", help="progress on stderr; last stdout line is a JSON summary")
@@ -651,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     mutate.add_argument("--target", type=_targets_or_all, default="all", metavar="ref|hf|all")
     mutate.add_argument("--admit", action="store_true",
                         help="generate, run and admit the set (about 30 minutes on 2 cores), then write it")
-    mutate.add_argument("--per-cell", type=_positive_int, default=4,
+    mutate.add_argument("--per-cell", type=_at_most(MAX_SEEDS), default=4,
                         help="candidates run per (seam, operator), spread over its sites (default 4)")
     mutate.add_argument("--sample", type=_positive_int, help="with --admit: only the first N candidates per target")
     mutate.add_argument("--jobs", type=_at_most(MAX_JOBS), default=2, help="cases run in parallel (default 2)")
