@@ -4,12 +4,34 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
-from faultbench.model.checkpoint import load_checkpoint, save_checkpoint
+import torch
+
+from faultbench.model.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
 from faultbench.model.config import RunConfig
 from faultbench.model.evaluate import evaluate
 from faultbench.model.run import build_run
 from faultbench.model.train import train
+
+STATE_FIELDS = ("model", "optimizer", "scheduler", "scaler", "sampler", "step", "history", "rng")
+
+
+def check_resumable(directory) -> None:
+    """A checkpoint folder ``load_checkpoint`` can restore a run from: its meta.json (``read_meta``'s checks) and
+    a state.pt file holding every part of a training state; else ``CheckpointError`` naming what is wrong (a list,
+    a dict without the model, a folder: tracebacks before, even with meta.json's sha256 updated to match)."""
+    read_meta(directory)
+    path = Path(directory) / "state.pt"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no state.pt file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: torch raises pickle, zip and runtime errors
+        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__})") from None
+    missing = [k for k in STATE_FIELDS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}: not a full training state")
 
 
 def train_reference(cfg: RunConfig, rank: int = 0, until: int | None = None, save=None, resume=None,
@@ -20,6 +42,8 @@ def train_reference(cfg: RunConfig, rank: int = 0, until: int | None = None, sav
     ``with_params`` adds the final parameters (tensors) and the full step history, for comparisons.
     """
     start = time.perf_counter()
+    if resume:
+        check_resumable(resume)  # before the run is built: a bad checkpoint costs one line, not a traceback
     run = build_run(cfg, rank)
     if resume:
         load_checkpoint(run, resume)

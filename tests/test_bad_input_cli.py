@@ -377,3 +377,25 @@ def test_a_truncated_tokenizer_or_practice_reference_cache_is_computed_again(tmp
     entry.write_text('{"loss": 1.')
     assert practice_runs.reference_cached("k", {"a": 1}, (), compute) == {"loss": 1.0} and len(calls) == 2
     assert f"discarding the bad practice reference {entry}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("state", ["list", "no_model", "folder"])
+def test_train_resume_from_a_state_that_is_not_a_training_state_is_refused_before_the_run(tmp_path, capsys, state):
+    """meta.json's sha256 updated to match, as anyone can: still one line, exit 2, before any run is built."""
+    import hashlib
+
+    import torch
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    path = ckpt / "state.pt"
+    if state == "folder":
+        path.mkdir()
+        digest = "0" * 64
+    else:
+        torch.save([1, 2] if state == "list" else {"optimizer": {}, "step": 3}, path)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    (ckpt / "meta.json").write_text(json.dumps({"format": 1, "sha256": digest, "config": {},
+                                                "tokenizer_sha256": "x"}))
+    _one_line_error(capsys, ["train", "--steps", "2", "--resume", str(ckpt)],
+                    "no state.pt file" if state == "folder" else "lacks model")
