@@ -145,8 +145,15 @@ def load_golden(recipes, pool=None, run_cases=None, target: str = "ref") -> dict
     missing = golden_cases([r for r in recipes if _key(r, target) not in golden], target)
     if missing:
         records = run_cases(missing) if run_cases else [execute(case, None, pool) for case in missing]
+        # a clean run that crashed or hung is the machinery's failure (a rank killed, a worker lost): never kept
+        failed = {case.recipe: (record["crash"] or {}).get("type", "Hang") for case, record in
+                  zip(missing, records, strict=True) if record.get("hang") or record["crash"]}
         for case, record in zip(missing, records, strict=True):
-            entry = golden.setdefault(_key(case.recipe, target), {"seeds": list(GOLDEN_SEEDS), "runs": []})
-            entry["runs"].append(trace_of(record))
+            if case.recipe not in failed:
+                entry = golden.setdefault(_key(case.recipe, target), {"seeds": list(GOLDEN_SEEDS), "runs": []})
+                entry["runs"].append(trace_of(record))
         write_text(path, json.dumps(golden))
+        if failed:
+            raise ValueError(f"a golden run of {target} recipe(s) {', '.join(f'{r} ({t})' for r, t in failed.items())} "
+                             "failed: nothing was scored or cached with it; run again to record it anew")
     return {r: golden[_key(r, target)] for r in recipes}

@@ -399,3 +399,25 @@ def test_train_resume_from_a_state_that_is_not_a_training_state_is_refused_befor
                                                 "tokenizer_sha256": "x"}))
     _one_line_error(capsys, ["train", "--steps", "2", "--resume", str(ckpt)],
                     "no state.pt file" if state == "folder" else "lacks model")
+
+
+def test_a_failed_golden_run_is_never_cached_and_stops_the_bench_in_one_line(tmp_path, monkeypatch):
+    """A clean golden run that crashed or hung is the machinery's failure (a rank killed): the other recipes'
+    entries are kept, that recipe's is not, and a ValueError (one line, exit 2 at the CLI) says to run again."""
+    from faultbench.harness import golden as golden_mod
+    from faultbench.harness.case import failed_record
+
+    monkeypatch.setattr(golden_mod, "CACHE", tmp_path)
+    monkeypatch.setattr(golden_mod, "trace_of", lambda record: {"loss": [1.0]})
+
+    def runs(cases, kill=("ddp",)):
+        return [failed_record(c, "RankFailure", "rank 1 died") if c.recipe in kill else
+                {"case": c.to_dict(), "crash": None, "hang": False} for c in cases]
+
+    with pytest.raises(ValueError, match=r"golden run of ref recipe\(s\) ddp \(RankFailure\) failed") as info:
+        golden_mod.load_golden(["fp32", "ddp"], run_cases=runs)
+    assert "\n" not in str(info.value)
+    (path,) = tmp_path.glob("ref-*.json")
+    assert [k.split("-")[0] for k in json.loads(path.read_text())] == ["ref/fp32"]
+    again = golden_mod.load_golden(["fp32", "ddp"], run_cases=lambda cases: runs(cases, kill=()))
+    assert len(again["ddp"]["runs"]) == len(golden_mod.GOLDEN_SEEDS) == len(again["fp32"]["runs"])
