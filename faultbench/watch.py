@@ -139,13 +139,14 @@ class Watch:
                  declare=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"faultbench.watch: model must be a torch.nn.Module, not {type(model).__name__}")
-        if not isinstance(_unwrap_optimizer(optimizer), torch.optim.Optimizer):
+        inner = _unwrap_optimizer(optimizer)
+        if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError("faultbench.watch: optimizer must be a torch.optim.Optimizer (or a wrapper holding one "
                             f"as .optimizer), not {type(optimizer).__name__}")
         if out is not None and not Path(out).parent.is_dir():
             raise ValueError(f"faultbench.watch: out={str(out)!r}: its folder does not exist")
         rank, world_size = _ranks(rank, world_size)
-        self.ctx = WatchContext(model, _unwrap_optimizer(optimizer), scheduler=scheduler, scaler=scaler,
+        self.ctx = WatchContext(model, inner, scheduler=scheduler, scaler=scaler,
                                 tokenizer=tokenizer, golden=load_golden(golden), rank=rank, world_size=world_size,
                                 conventions=Conventions.of(tokenizer, declare))
         # a resumed loop: the step it resumes at, and the watch of the segment before (what it trained on)
@@ -254,7 +255,7 @@ class Watch:
                 self._guard(self._track_scale)()  # a skip at the last step shows only in the scale after it
                 self._fire("on_end", self.ctx)
             else:
-                self._fire("on_crash", self.ctx, {**_crash(exc), "phase": self.ctx.phase})
+                self._fire("on_crash", self.ctx, self._crash_of(exc))
         finally:
             self._detach()
         if self.out is not None:
@@ -307,7 +308,11 @@ class Watch:
         ``trainer.evaluate()`` after ``train()`` raised ``exc``); the detectors' ``on_crash`` locate it and their
         findings join ``findings``. Call it from the ``except`` around that evaluation."""
         if self._eval_handles:
-            self._fire("on_crash", self.ctx, {**_crash(exc), "phase": self.ctx.phase})
+            self._fire("on_crash", self.ctx, self._crash_of(exc))
+
+    def _crash_of(self, exc: BaseException) -> dict:
+        """``on_crash``'s record of ``exc``: its type, message and frames, and the phase it interrupted."""
+        return {**_crash(exc), "phase": self.ctx.phase}
 
     def stop_watching_evaluations(self) -> None:
         for handle in self._eval_handles:
@@ -538,6 +543,7 @@ class Watch:
             self._firing -= 1
 
     def _fire_each(self, hook: str, timer: dict, end: float, args: tuple) -> None:
+        """``_fire``'s loop: each listening detector called and timed from the previous one's end."""
         for det, method in self._listening(hook):
             start = end  # one clock reading between two detectors: each is timed to the next one's start
             try:

@@ -221,7 +221,7 @@ def replay(directory, plugins=()) -> dict:
     A bundle runs no code of its own: each plugin its case names must be one of ``plugins`` (given again by the
     user, ``replay --plugin``), else ValueError; ``MANIFEST.sha256`` catches damage, not tampering (anyone can
     write it again), so it is never a reason to import a file a bundle names."""
-    from faultbench.faults.registry import load_plugin
+    from faultbench.faults.registry import load_plugin, plugin_module_name
     from faultbench.harness.bench import code_digest
     from faultbench.harness.case import RECIPES, case_from_dict
 
@@ -230,8 +230,8 @@ def replay(directory, plugins=()) -> dict:
     case = case_from_dict(meta["case"])
     if case.recipe not in RECIPES:
         raise ValueError(f"the bundle's recipe {case.recipe!r} is not one of this checkout's: {', '.join(RECIPES)}")
-    given = {_plugin_key(p) for p in plugins}
-    unsigned = [p for p in case.plugins if _plugin_key(p) not in given]
+    given = {plugin_module_name(p) for p in plugins}  # a plugin as it loads: a file by its resolved path
+    unsigned = [p for p in case.plugins if plugin_module_name(p) not in given]
     if unsigned:
         raise ValueError(f"the bundle's case loads plugin {unsigned[0]}; a bundle runs no code of its own: pass "
                          f"--plugin {unsigned[0]} to replay it with that plugin")
@@ -259,11 +259,6 @@ def replay(directory, plugins=()) -> dict:
             == json.dumps(expected["evidence"], sort_keys=True, default=str),
             "state_identical": state_same, "batch_identical": batch_same, "differences": differences,
             "same_code": meta["code_digest"] == code_digest(case.plugins), "step": meta["step"], "case": meta["case"]}
-
-
-def _plugin_key(plugin: str) -> str:
-    """A plugin as it names itself: a .py file by its resolved path, a module by its name."""
-    return str(Path(plugin).resolve()) if plugin.endswith(".py") else plugin
 
 
 def describe_replay(result: dict) -> str:

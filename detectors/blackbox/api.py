@@ -65,6 +65,12 @@ class StepRecord:
     sampled: bool = True  # a step the sampled measurements (the gradient norms) and checks looked at
 
 
+def cuda_devices(model: torch.nn.Module) -> list:
+    """The CUDA device ``model`` lives on, as ``torch.random.fork_rng(devices=...)`` takes it ([] on the CPU)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return [device] if device.type == "cuda" else []
+
+
 class WatchContext:
     """What a black-box detector may see. ``step``: optimizer steps completed; ``last_batch``: the most recent
     training batch ({"input_ids", and "attention_mask", "labels", "position_ids" when the loop passed them});
@@ -130,7 +136,7 @@ class WatchContext:
         states = (random.getstate(), np.random.get_state())
         self.probing = True
         try:
-            with torch.random.fork_rng(devices=self._cuda_devices()), torch.no_grad():
+            with torch.random.fork_rng(devices=cuda_devices(self.model)), torch.no_grad():
                 self.model.eval()
                 yield self.model
         finally:
@@ -139,9 +145,6 @@ class WatchContext:
             random.setstate(states[0])
             np.random.set_state(states[1])
 
-    def _cuda_devices(self) -> list:
-        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        return [device] if device.type == "cuda" else []
 
     def module_path(self, module: torch.nn.Module) -> str:
         """``module``'s name in ``model.named_modules()`` ("transformer.h.0.attn"; "" for the model itself)."""

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from faultbench.detectors.api import NotApplicable, register, traceless
-from faultbench.detectors.blackbox.api import BlackBoxDetector
+from faultbench.detectors.blackbox.api import BlackBoxDetector, cuda_devices
 from faultbench.detectors.blackbox.lm import CausalLM
 
 ROWS, LENGTH, MIN_LEN = 1, 12, 8  # a round probes one row of the loop's batch: up to 12 real tokens, at least 8
@@ -629,7 +629,7 @@ class ProbeRound:
 
     def _label_isolation(self) -> ProbeResult | None:
         """The logits of a forward that is handed labels do not depend on them: the row with its own next tokens as
-        labels and with other tokens give the same logits (and the same as without labels where it returns them)."""
+        labels and with other tokens give the same logits."""
         lm = self.lm
         if lm.label_name is None:
             raise NotApplicable("the model's forward takes no labels")
@@ -675,13 +675,13 @@ class ProbeRound:
                                {"first": sequences[0].tolist(), "second": again[0].tolist()})
         T, asked = prompt.shape[1], GEN_TOKENS
         got = sequences.shape[1] - T
-        if not torch.equal(sequences[:, :T].to(prompt.device), prompt) or got > asked or (
-                got < asked and lm.greedy_declared):
+        prompt_kept = torch.equal(sequences[:, :T].to(prompt.device), prompt)
+        if not prompt_kept or got > asked or (got < asked and lm.greedy_declared):
             return ProbeResult("generation", float(abs(got - asked)), "generate", "model",
                                f"the model's generate was asked for {asked} new tokens after a {T}-token prompt "
                                f"and returned {sequences.shape[1]} tokens"
-                               + ("" if torch.equal(sequences[:, :T].to(prompt.device), prompt)
-                                  else ", the prompt among them changed"), {"asked": asked, "returned": got})
+                               + ("" if prompt_kept else ", the prompt among them changed"),
+                               {"asked": asked, "returned": got})
         if lm.greedy_declared:  # transformers' decode loop: its generation config's processors (a repetition
             return None  # penalty, suppressed tokens, EOS held back until min_new_tokens) may pick another token
         full = self._forward(sequences.to(prompt.device)).logits[0, T - 1: T - 1 + got].float()  # (got, V)
@@ -704,13 +704,9 @@ class ProbeRound:
 
     def _generated_with_seed(self, prompt: torch.Tensor, seed: int) -> torch.Tensor | None:
         """``CausalLM.generated`` of GEN_TOKENS tokens under the global torch seed ``seed`` (the RNG restored)."""
-        with torch.random.fork_rng(devices=self._cuda_devices()):
+        with torch.random.fork_rng(devices=cuda_devices(self.lm.model)):
             torch.manual_seed(seed)
             return self.lm.generated(prompt, None, GEN_TOKENS)
-
-    def _cuda_devices(self) -> list:
-        device = self.lm.device
-        return [device] if device.type == "cuda" else []
 
     def _teacher_forced_agrees(self, ids: torch.Tensor, mask: torch.Tensor | None, prompt: int, tol: float) -> bool:
         """The generated ``ids`` through ``past_key_values`` (the prompt in one call, then token by token, positions
@@ -873,8 +869,8 @@ def round_result(ctx, probe: str, full: bool = False) -> ProbeResult | None:
 
 class _ActiveProbe(BlackBoxDetector):
     """Runs its probe of the shared round once, before the loop's first optimizer step (findings carry step 0),
-    on the batch that step trains on; if that batch is too short, before a later step, or at the end (an ``AT_END``
-    probe still silent: at the end again, on the trained model). A probe
+    on the batch that step trains on; if that batch is too short, before a later step, or at the end (a probe whose
+    ``again_at_end`` says so, still silent: at the end again, on the trained model). A probe
     silent in a round whose forwards ran in a coarse dtype (bf16, fp16) runs again at once in full precision when the
     model's weights are float32 (``fits_full_precision``). A ``RECHECK`` probe still silent runs again at the end: an
     untrained model's faint position or context dependence stays under that rounding, a trained one's does not."""
@@ -883,10 +879,11 @@ class _ActiveProbe(BlackBoxDetector):
     PROBE: str
     CONFIDENCE = 0.7
     RECHECK = False  # a faint dependence an untrained model hides under bf16 rounding: checked again at the end
-    AT_END = False  # a property an untrained model may keep by chance: checked again at the end, trained
 
     def again_at_end(self, ctx) -> bool:
-        return self.AT_END
+        """Whether a silent probe runs again at the end, on the trained model (a property an untrained model may
+        keep by chance)."""
+        return False
 
     def __init__(self) -> None:
         super().__init__()
@@ -970,10 +967,10 @@ class BlackBoxGeneration(_ActiveProbe):
     description = ("the model's own greedy generate: the same tokens twice under one seed, the prompt kept, the "
                    "tokens asked for, each (its own decode loop) the argmax of one forward over the sequence so far")
     PROBE = "generation"
-    AT_END = True  # an untrained tied model predicts its input token again, as a stale decode step repeats it
 
     def again_at_end(self, ctx) -> bool:
-        """Only a model's own decode loop, whose tokens are judged against the trained model's argmax."""
+        """A model's own decode loop, whose tokens are judged against the argmax: an untrained tied model predicts
+        its input token again, as a stale decode step repeats it, so the trained one is asked again."""
         return not ctx.lm.greedy_declared
 
 
