@@ -507,7 +507,8 @@ class Watch:
                             ctx.optimizer_count(), None if ctx.history else ctx.group_config(),
                             model=None if ctx.history else ctx.model_structure(), sampled=before["sampled"])
         for h in self._batches:
-            ctx.batches_seen.setdefault(h, ctx.step)
+            if len(ctx.batches_seen) < ctx.MAX_ROWS:
+                ctx.batches_seen.setdefault(h, ctx.step)
         ctx.rng_at_step = torch.get_rng_state()  # a 5 KB copy; compared only at a resume
         ctx.history.append(record)
         self._batches, self._layout, self._stale_hooked = [], None, False
@@ -669,6 +670,10 @@ def _agreed(histories: list[list[StepRecord]], field: str):
 
 def _history(run) -> list[StepRecord]:
     """A run's step records: a Watch's history, or a recorded history (StepRecords or their dicts)."""
+    if isinstance(run, Watch) and run.ctx.history.dropped:
+        kept = run.ctx.history
+        raise ValueError(f"record_golden needs a run's every step: this watch kept the last {len(kept)} of its "
+                         f"{kept.recorded} step records (a golden run is a short one)")
     history = run.ctx.history if isinstance(run, Watch) else list(run)
     return [StepRecord(**r) if isinstance(r, dict) else r for r in history]
 

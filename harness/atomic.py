@@ -45,8 +45,9 @@ def check_output(path, flag: str, *, force: bool = False, folder_of: str | None 
     """One policy for every command's output path, checked before any work (ValueError, one line): never ``''``,
     no component longer than ``NAME_MAX``, no file where a folder is meant or the reverse, nothing under an
     unwritable folder. A file: its folder exists, and an existing file is replaced only with ``force``. A folder
-    (``folder_of``: the file a previous output holds, e.g. summary.json): missing parents are made; an existing
-    folder holding other files and no ``folder_of`` is written into only with ``force``."""
+    (``folder_of``: a glob for what a previous output holds, e.g. summary.json, */bundle.json): missing parents are
+    made; an existing folder holding other files and nothing ``folder_of`` matches is written into only with
+    ``force``."""
     if path is None or not str(path).strip():
         raise ValueError(f"{flag} '' names no {'folder' if folder_of else 'file'}")
     path = Path(path)
@@ -68,7 +69,7 @@ def check_output(path, flag: str, *, force: bool = False, folder_of: str | None 
         return path
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path} is a file, not a folder")
-    if path.is_dir() and any(path.iterdir()) and not (path / folder_of).exists() and not force:
+    if path.is_dir() and any(path.iterdir()) and not any(path.glob(folder_of)) and not force:
         raise ValueError(f"{flag} {path} holds files of something else (no {folder_of}): pass --force to write "
                          "into it, or name another folder")
     return path

@@ -55,6 +55,20 @@ def _at_most(most: int):
     return parse
 
 
+MAX_SEED = 2**32 - 1  # what every generator a run seeds accepts (numpy's is the narrowest)
+
+
+def _seed(text: str) -> int:
+    """A seed: an integer from 0 to ``MAX_SEED``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a seed from 0 to {MAX_SEED}, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -94,7 +108,7 @@ def _train(args) -> int:
         check_replaceable(args.save, "meta.json", "checkpoint")
         check_output(args.save, "--save", force=True, folder_of="meta.json")
     base = _runnable_preset(args.preset)
-    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    launched_by_torchrun = _torchrun()
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun else args.world_size
     train_overrides = {"world_size": world, "zero": args.zero}
     for key, value in (("steps", args.steps), ("precision", args.precision), ("accum", args.accum)):
@@ -120,7 +134,7 @@ def _train(args) -> int:
         from faultbench.harness.launch import RankPool
 
         with RankPool(world, start_method="spawn") as pool:  # one case: a pool would not be reused
-            summary = pool.run(train_on_rank, cfg.to_dict(), {**common, "log": True}, timeout_s=args.timeout)[0]
+            summary = pool.run(train_on_rank, cfg.to_dict(), {**common, "log": True}, timeout_s=args.timeout or 3600)[0]
     else:
         summary = train_reference(cfg, log=log, **common)
 
@@ -379,7 +393,7 @@ def _bench(args) -> int:
     args.out = check_output("results" if args.out is None else args.out, "--out", force=args.force,
                             folder_of="summary.json")
     if args.bundles is not None:
-        check_output(args.bundles, "--bundles", force=args.force, folder_of="bundle.json")
+        check_output(args.bundles, "--bundles", force=args.force, folder_of="*/bundle.json")
     if args.only_plugin_faults and not args.plugin:
         raise ValueError("--only-plugin-faults needs a --plugin that registers faults")
     cfg = BenchConfig(seeds=seeds, targets=args.target, detectors=tuple(args.detectors or ("all",)),
@@ -432,7 +446,7 @@ def _mutate(args) -> int:
     out = Path(args.out) if args.out else None
     if args.admit:
         path = check_output(out or mutants.admitted_path(), "--out", force=args.force)
-        doc = mutants.admit(args.target, per_cell=args.per_cell, jobs=args.jobs, limit=args.sample,
+        doc = mutants.admit(args.target, per_cell=args.per_cell or 4, jobs=args.jobs or 2, limit=args.sample,
                             progress=not args.json)
         mutants.write(doc, path)
         print(f"{len(doc['mutants'])} mutants admitted in {doc['wall_s']:.0f}s: written to {path}",
@@ -543,11 +557,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", choices=PRECISIONS)
     train.add_argument("--pad-side", choices=PAD_SIDES)
     train.add_argument("--accum", type=_positive_int, help="micro-batches per optimizer step")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=_seed, default=0)
     train.add_argument("--world-size", type=_positive_int, default=1,
                        help="data-parallel ranks (gloo on CPU); under torchrun its WORLD_SIZE wins")
     train.add_argument("--zero", action="store_true", help="shard optimizer state across ranks (ZeRO)")
-    train.add_argument("--timeout", type=_positive_float, default=3600, help="seconds before a hung rank is killed")
+    train.add_argument("--timeout", type=_positive_float, help="seconds before a hung rank is killed (default 3600)")
     train.add_argument("--threads", type=_at_most(MAX_JOBS), default=1,
                        help="torch threads (small models run fastest on 1)")
     train.add_argument("--log-every", type=_at_most(MAX_STEPS), default=50)
@@ -581,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     run.add_argument("--steps", type=_at_most(MAX_STEPS),
                      help="optimizer steps (default: 100 on the reference; a fault of another target: its manifest's)")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=_seed, default=0)
     run.add_argument("--precision", choices=PRECISIONS)
     run.add_argument("--pad-side", choices=PAD_SIDES)
     run.add_argument("--accum", type=_positive_int)
@@ -655,10 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
     mutate.add_argument("--target", type=_targets_or_all, default="all", metavar="ref|hf|all")
     mutate.add_argument("--admit", action="store_true",
                         help="generate, run and admit the set (about 30 minutes on 2 cores), then write it")
-    mutate.add_argument("--per-cell", type=_at_most(MAX_SEEDS), default=4,
+    mutate.add_argument("--per-cell", type=_at_most(MAX_SEEDS),
                         help="candidates run per (seam, operator), spread over its sites (default 4)")
     mutate.add_argument("--sample", type=_positive_int, help="with --admit: only the first N candidates per target")
-    mutate.add_argument("--jobs", type=_at_most(MAX_JOBS), default=2, help="cases run in parallel (default 2)")
+    mutate.add_argument("--jobs", type=_at_most(MAX_JOBS), help="cases run in parallel (default 2)")
     mutate.add_argument("--out", help="the admitted set's file (default faults/mutants/mutants-v1.json)")
     mutate.add_argument("--force", action="store_true", help="with --admit: replace an existing file")
     mutate.add_argument("--json", action="store_true", help="the admission table as JSON")
@@ -670,7 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("export", "the same, and optionally a .tar.gz of it to hand over")):
         new = practice_sub.add_parser(name, help=text)
         new.add_argument("--dir", required=True)
-        new.add_argument("--seed", type=int, help="chooses the hidden fault (default: random)")
+        new.add_argument("--seed", type=_seed, help="chooses the hidden fault (default: random)")
         new.add_argument("--fault", help="this fault instead of a hidden choice (for interviewers)")
         new.add_argument("--subsystem", choices=SUBSYSTEMS)
         new.add_argument("--difficulty", choices=("easy", "medium", "hard"))
@@ -701,10 +715,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun() -> bool:
+    """Whether torchrun (or another launcher that sets WORLD_SIZE > 1) started this process as one rank."""
+    import os
+
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _ranks(args) -> bool:
+    return args.world_size > 1 or _torchrun()
+
+
+# A flag that means something only beside another would otherwise be ignored without a word: (command, flag,
+# whether it was given, whether it applies, what it needs). Checked before any work.
+_DETECTORS = "the fault runs in its bench recipe with --detectors (--recipe and --seed choose the case)"
+_ONLY_WITH = [
+    ("train", "--zero", lambda a: a.zero, _ranks, "with --world-size 2 or more (or torchrun): it shards across ranks"),
+    ("train", "--timeout", lambda a: a.timeout is not None, _ranks,
+     "with --world-size 2 or more: it is how long a hung rank may take"),
+    *(("run", flag, given, lambda a: a.detectors, "with --detectors") for flag, given in (
+        ("--recipe", lambda a: a.recipe), ("--bundle", lambda a: a.bundle is not None),
+        ("--no-bundle", lambda a: a.no_bundle))),
+    ("run", "--force", lambda a: a.force, lambda a: a.plot is not None, "with --plot (the file it replaces)"),
+    *(("run", flag, given, lambda a: not a.detectors, f"to the clean-vs-faulty comparison: {_DETECTORS}")
+      for flag, given in (("--plot", lambda a: a.plot is not None), ("--steps", lambda a: a.steps is not None),
+                          ("--precision", lambda a: a.precision), ("--pad-side", lambda a: a.pad_side),
+                          ("--accum", lambda a: a.accum), ("--world-size", lambda a: a.world_size != 1),
+                          ("--preset", lambda a: a.preset != "tiny"))),
+    ("run", "--bundle", lambda a: a.bundle is not None, lambda a: not a.no_bundle, "without --no-bundle"),
+    *(("mutate", flag, given, lambda a: a.admit, "with --admit (it configures the admission)") for flag, given in (
+        ("--per-cell", lambda a: a.per_cell is not None), ("--sample", lambda a: a.sample is not None),
+        ("--jobs", lambda a: a.jobs is not None), ("--force", lambda a: a.force))),
+    *((command, flag, given, lambda a: not a.fault, "without --fault: it helps choose the hidden fault")
+      for command in ("practice new", "practice export") for flag, given in (
+        ("--seed", lambda a: a.seed is not None), ("--subsystem", lambda a: a.subsystem),
+        ("--difficulty", lambda a: a.difficulty))),
+    ("practice export", "--force", lambda a: a.force, lambda a: a.archive is not None,
+     "with --archive (the file it replaces)"),
+    ("practice report", "--force", lambda a: a.force, lambda a: a.out is not None, "with --out (the file it replaces)"),
+]
+
+
+def _refuse_unused_flags(args) -> None:
+    """One line (ValueError) for the first flag given where it would be ignored (``_ONLY_WITH``)."""
+    command = " ".join(filter(None, (args.command, getattr(args, "practice_command", None))))
+    for only_in, flag, given, applies, needs in _ONLY_WITH:
+        if command == only_in and given(args) and not applies(args):
+            raise ValueError(f"{flag} applies only {needs}; here it would be ignored")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = ["faultbench", *(sys.argv[1:] if argv is None else argv)]
     try:
+        _refuse_unused_flags(args)
         return args.func(args)
     except ValueError as e:  # bad configs and checkpoints: a clear message, not a traceback
         print(f"faultbench: error: {e}", file=sys.stderr)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from faultbench.faults.registry import FAULTS
+from faultbench.harness.atomic import check_output
 from faultbench.harness.case import RECIPES
 from faultbench.harness.cli import main
 
@@ -421,3 +422,16 @@ def test_a_failed_golden_run_is_never_cached_and_stops_the_bench_in_one_line(tmp
     assert [k.split("-")[0] for k in json.loads(path.read_text())] == ["ref/fp32"]
     again = golden_mod.load_golden(["fp32", "ddp"], run_cases=lambda cases: runs(cases, kill=()))
     assert len(again["ddp"]["runs"]) == len(golden_mod.GOLDEN_SEEDS) == len(again["fp32"]["runs"])
+
+
+def test_a_folder_of_earlier_bundles_is_written_again_and_a_foreign_folder_is_refused(tmp_path):
+    # bundles live one folder down (DIR/<case>/bundle.json): a rerun into the same DIR is not a foreign folder
+    earlier = tmp_path / "bundles"
+    (earlier / "case-0").mkdir(parents=True)
+    (earlier / "case-0" / "bundle.json").write_text("{}")
+    foreign = tmp_path / "project"
+    foreign.mkdir()
+    (foreign / "main.py").write_text("mine")
+    assert check_output(earlier, "--bundles", folder_of="*/bundle.json") == earlier
+    with pytest.raises(ValueError, match="holds files of something else"):
+        check_output(foreign, "--bundles", folder_of="*/bundle.json")

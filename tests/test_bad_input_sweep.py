@@ -74,6 +74,23 @@ SWEEP += [(["mutate", "--admit", "--out", o], "--out") for o in ("committed.txt"
 SWEEP += [(["mutate", "--out", "committed.txt"], "")]
 SWEEP += [(["mutate", "--target", "nope"], "")]
 SWEEP += [([], "")]  # no subcommand
+SWEEP += [([*sub, "--seed", s], "--seed") for sub in (["train"], ["run", "--fault", "label_permute"],
+                                                      ["practice", "new", "--dir", "EX"])
+          for s in ("-1", "abc", "1.5", "99999999999999999999")]
+# flags that mean something only beside another: refused instead of silently ignored
+SWEEP += [(argv, f"{argv[-1] if argv[-1].startswith('--') else argv[-2]} applies only") for argv in (
+    ["train", "--zero"], ["train", "--timeout", "5"],
+    ["run", "--fault", "label_permute", "--recipe", "fp32"], ["run", "--fault", "label_permute", "--no-bundle"],
+    ["run", "--fault", "label_permute", "--bundle", "dir"], ["run", "--fault", "label_permute", "--force"],
+    ["run", "--fault", "label_permute", "--detectors", "suite", "--steps", "5"],
+    ["run", "--fault", "label_permute", "--detectors", "suite", "--plot", "p.png"],
+    ["run", "--fault", "label_permute", "--detectors", "suite", "--precision", "bf16"],
+    ["run", "--fault", "label_permute", "--detectors", "suite", "--world-size", "2"],
+    ["run", "--fault", "label_permute", "--detectors", "suite", "--no-bundle", "--bundle", "dir"],
+    ["mutate", "--jobs", "3"], ["mutate", "--per-cell", "2"], ["mutate", "--sample", "2"], ["mutate", "--force"],
+    ["practice", "new", "--dir", "EX", "--fault", "label_permute", "--seed", "3"],
+    ["practice", "export", "--dir", "EX", "--fault", "label_permute", "--subsystem", "loss"],
+    ["practice", "export", "--dir", "EX", "--force"], ["practice", "report", "EX", "--force"])]
 
 
 @pytest.fixture

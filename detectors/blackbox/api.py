@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -65,6 +66,38 @@ class StepRecord:
     sampled: bool = True  # a step the sampled measurements (the gradient norms) and checks looked at
 
 
+class StepHistory:
+    """The watch's step records, bounded so a long run's memory stays flat: the last ``limit`` records are kept
+    (older ones are dropped, first in first out); ``recorded`` counts every record ever appended. Iterates and
+    indexes (slices too) like a list of the kept records."""
+
+    LIMIT = 1000  # ~0.7 KB a record: under 1 MB however long the run
+
+    def __init__(self, limit: int | None = None):
+        limit = self.LIMIT if limit is None else limit
+        if limit < 1:
+            raise ValueError(f"a step history keeps at least one record, not {limit}")
+        self._kept: deque[StepRecord] = deque(maxlen=limit)
+        self.recorded = 0
+
+    def append(self, record: StepRecord) -> None:
+        self._kept.append(record)
+        self.recorded += 1
+
+    @property
+    def dropped(self) -> int:
+        return self.recorded - len(self._kept)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __iter__(self):
+        return iter(self._kept)
+
+    def __getitem__(self, index):
+        return list(self._kept)[index] if isinstance(index, slice) else self._kept[index]
+
+
 def cuda_devices(model: torch.nn.Module) -> list:
     """The CUDA device ``model`` lives on, as ``torch.random.fork_rng(devices=...)`` takes it ([] on the CPU)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -90,7 +123,7 @@ class WatchContext:
         self.conventions = conventions or Conventions.of(tokenizer)
         self.step = 0
         self.last_batch: dict | None = None
-        self.history: list[StepRecord] = []
+        self.history = StepHistory()
         self.stale_grads: dict | None = None
         self.skipped_steps = 0  # optimizer steps the loss scaler skipped (its scale fell), trailing ones included
         self.rng_at_start: torch.Tensor | None = None  # torch's global RNG state before the first training forward
@@ -100,7 +133,7 @@ class WatchContext:
         self.start_step = 0  # the loop's step when the watch was attached (a resumed loop's step; ``step`` too)
         self.previous: WatchContext | None = None  # the watch of the run's segment before a resume, if given
         self.saved_states: dict[int, dict] = {}  # step -> what detectors recorded as a checkpoint was saved there
-        self.batches_seen: dict[int, int] = {}  # training batch hash -> the step it was trained at
+        self.batches_seen: dict[int, int] = {}  # training batch hash -> the step it was trained at (MAX_ROWS at most)
         self.train_rows: set[int] = set()  # hashes of the training rows seen (at most MAX_ROWS)
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
         # where the loop is in its step (what a crash interrupted): "setup" (no forward yet), "forward" (a training
@@ -159,7 +192,7 @@ class WatchContext:
                 return name.rpartition(".")[0] or name
         return "?"
 
-    MAX_ROWS = 200_000
+    MAX_ROWS = 200_000  # bounds train_rows and batches_seen: a few MB however long the run
 
     def group_config(self) -> list[dict]:
         """The optimizer's param groups as configured: per group the number of parameters and of their elements,

@@ -262,7 +262,7 @@ class ScalerSkips(BlackBoxDetector):
 
     def on_end(self, ctx: WatchContext) -> None:
         skipped = ctx.skipped_steps
-        attempts = skipped + len(ctx.history)
+        attempts = skipped + ctx.history.recorded
         if attempts >= self.MIN_ATTEMPTS and skipped > attempts / 2:
             cause = ("the loss itself was non-finite (a forward problem)" if self._non_finite_loss
                      else "the gradients overflow in the scaled loss")

@@ -1,5 +1,7 @@
 """Per-rank functions the distributed tests run in the pool (importable by the worker processes)."""
 
+import os
+import signal
 import time
 
 from faultbench.model.config import RunConfig
@@ -21,6 +23,12 @@ def raise_on(rank: int, bad_rank: int) -> int:
 def hang_on(rank: int, bad_rank: int) -> int:
     if rank == bad_rank:
         time.sleep(3600)  # a rank stuck forever; the pool must time out, not the test session
+    return rank
+
+
+def kill_on(rank: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer or a user's kill -9 does to one rank
     return rank
 
 

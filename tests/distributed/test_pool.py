@@ -1,9 +1,12 @@
-"""A rank that raises or hangs never hangs the caller: bounded time, clear error, pool usable after."""
+"""A rank that raises, hangs or is killed never hangs the caller: bounded time, clear error, pool usable after;
+a killed rank is a failure of the machine, never cached as the case's outcome."""
 
 import pytest
 
+from faultbench.harness import bench
+from faultbench.harness.case import Case, failed_record
 from faultbench.harness.launch import RankFailure
-from tests.distributed.cases import hang_on, raise_on, whoami
+from tests.distributed.cases import hang_on, kill_on, raise_on, whoami
 
 
 def test_pool_runs_on_every_rank_in_order(pool):
@@ -20,3 +23,15 @@ def test_a_hanging_rank_times_out(pool):
     with pytest.raises(RankFailure, match=r"rank\(s\) \[0\] did not finish within 3s"):
         pool.run(hang_on, 0, timeout_s=3)
     assert pool.run(whoami) == [0, 1]
+
+
+def test_a_killed_rank_is_reported_never_cached_and_the_pool_restarts(pool, tmp_path, monkeypatch):
+    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code -9\)") as info:
+        pool.run(kill_on, 1, timeout_s=60)
+    assert pool.run(whoami) == [0, 1]
+    monkeypatch.setattr(bench, "CACHE", tmp_path)
+    case = Case("ddp", 0, ("label_permute",), ("forward_loss_contract",))
+    bench.keep(case, failed_record(case, "RankFailure", str(info.value)), "digest")
+    assert list(tmp_path.iterdir()) == []  # a rerun runs the case again
+    bench.keep(case, failed_record(case, "ValueError", "the fault's own crash"), "digest")
+    assert len(list(tmp_path.iterdir())) == 1  # an outcome of the case is cached

@@ -68,3 +68,17 @@ def test_a_watch_keeps_no_frame_graph_or_model_of_the_loop(shape):
     del model, optimizer, w
     gc.collect()
     assert model_ref() is None
+
+
+def test_a_long_run_keeps_a_bounded_history_and_still_counts_every_step(monkeypatch):
+    from faultbench.detectors.blackbox.api import StepHistory
+
+    monkeypatch.setattr(StepHistory, "LIMIT", 3)
+    model, optimizer, _ = nanogpt.build(seed=0)
+    w = _train("inline", model, optimizer)
+    history = w.ctx.history
+    assert (len(history), history.recorded, history.dropped) == (3, STEPS, STEPS - 3)
+    assert [r.step for r in history] == [r.step for r in history[-3:]] == list(range(STEPS - 2, STEPS + 1))
+    assert w.findings == [], w.report()
+    with pytest.raises(ValueError, match="kept the last 3 of its 8 step records"):
+        faultbench.record_golden([w])
