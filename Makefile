@@ -40,7 +40,8 @@ bench-mutants: setup
 # and published as aggregates only (results/blind/summary.json), so detector authors never learn which faults
 # were missed.
 # `--blind` keeps case, fault and detector names out of everything printed. BLIND=blind2 runs the second set
-# (benchmarks/blind2/, written at stop 22 after two ids of the first leaked into a progress line).
+# (benchmarks/blind2/, written at stop 22 after two ids of the first leaked into a progress line); BLIND=blind3 the
+# third (benchmarks/blind3/).
 BLIND ?= blind
 bench-blind: setup
 	$(PY) -m faultbench bench --target all --plugin benchmarks/$(BLIND)/blind_faults.py --only-plugin-faults --blind \
