@@ -358,7 +358,7 @@ BUILTIN_MODULES = (
     "faultbench.detectors.blackbox.gradients", "faultbench.detectors.blackbox.evaluation",
     "faultbench.detectors.blackbox.crashes", "faultbench.detectors.blackbox.evaluation_effects",
     "faultbench.detectors.blackbox.updates", "faultbench.detectors.blackbox.gradient_check",
-    "faultbench.detectors.blackbox.resume_state",
+    "faultbench.detectors.blackbox.resume_state", "faultbench.detectors.blackbox.optimizer_numerics",
 )
 _loaded = False
 

@@ -601,7 +601,7 @@ _CONTRACTS = (
        "save/load, attached to the same parameters",
        "PyTorch tutorial 'Saving and loading a general checkpoint'; pytorch test/test_optim.py::"
        "test_state_dict_deterministic",
-       BOTH, ("resume_continuity", "bb_resume_continuity")),
+       BOTH, ("resume_continuity", "bb_resume_continuity", "bb_golden_update")),
     _c("optimizer.state.one-step-per-window",
        "the optimizer steps exactly once per accumulation window",
        S002 + ": the minimal training-step sequence (step only when the accumulation window ends)",
@@ -609,11 +609,11 @@ _CONTRACTS = (
     _c("optimizer.numerics.state-precision",
        "optimizer moments and master weights are kept in at least fp32 when parameters are low precision",
        "Micikevicius et al., 'Mixed Precision Training' (2018), sec. 3.1 (fp32 master weights)",
-       BOTH),
+       BOTH, ("bb_state_precision",)),
     _c("optimizer.numerics.update-ratio",
        "the ratio of update to weight magnitude per step stays in the range known-good runs show",
        "Stanford CS231n notes, 'Neural Networks Part 3' (ratio of weight updates to weights, about 1e-3)",
-       BOTH),
+       BOTH, ("bb_golden_update",)),
     _c("optimizer.isolation.frozen-untouched",
        "frozen parameters and parameters outside the optimizer never change, and a group's settings apply to "
        "its own parameters only",
@@ -661,7 +661,7 @@ _CONTRACTS = (
     _c("gradients.invariance.accumulation",
        "k micro-batches accumulated give the gradient of one forward over the whole batch, within rounding",
        GA_FIX + "; accelerate docs, 'Performing gradient accumulation'",
-       BOTH, ("bb_loss_normalization", "logit_grad_scale", "train_step_contract")),
+       BOTH, ("bb_loss_normalization", "logit_grad_scale", "train_step_contract", "bb_golden_grad_norm")),
     _c("gradients.invariance.loss-scale",
        "with loss scaling, the update does not depend on the scale: the optimizer and the clipping see unscaled "
        "gradients",

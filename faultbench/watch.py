@@ -53,6 +53,7 @@ from faultbench.detectors.blackbox.batches import (
 )
 from faultbench.detectors.blackbox.conventions import Conventions
 from faultbench.detectors.blackbox.gradients import implied_loss as implied_loss_of
+from faultbench.detectors.blackbox.optimizer_numerics import stepped_groups, update_ratios, weight_sample
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -491,6 +492,9 @@ class Watch:
                         "grad_norm": _norm(p.grad for p in self._trainable if p.grad is not None) if sampled else None,
                         "backward_norm": self._backward_norm,
                         "scale": float(scaler.get_scale()) if self.ctx.scaler_enabled else None}
+        if sampled:  # the update ratio: a fixed sample of each stepped tensor, read again after the step
+            groups = stepped_groups(optimizer)
+            self._before["weights"] = (groups, weight_sample(groups))
         self._fire("on_before_step", self.ctx)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
@@ -505,7 +509,8 @@ class Watch:
         record = StepRecord(ctx.step, loss, before["lrs"], before["grad_norm"], before["backward_norm"],
                             before["scale"], skipped, self._micro, self._batches, self._layout,
                             ctx.optimizer_count(), None if ctx.history else ctx.group_config(),
-                            model=None if ctx.history else ctx.model_structure(), sampled=before["sampled"])
+                            model=None if ctx.history else ctx.model_structure(), sampled=before["sampled"],
+                            updates=update_ratios(*before.pop("weights")) if "weights" in before else None)
         for h in self._batches:
             if len(ctx.batches_seen) < ctx.MAX_ROWS:
                 ctx.batches_seen.setdefault(h, ctx.step)
@@ -612,7 +617,8 @@ def record_golden(runs, path=None) -> dict:
     its dicts; a resumed run's history is its segments' in order). Written as JSON to ``path`` when given::
 
         {"runs": N,
-         "steps": [{"loss": [lo, hi], "grad_norm": [lo, hi], "lrs": [[lo, hi] per param group]}, ...],
+         "steps": [{"loss": [lo, hi], "grad_norm": [lo, hi], "lrs": [[lo, hi] per param group],
+                    "updates": [[lo, hi] per param group] (StepRecord.updates)}, ...],
          "final_loss": [lo, hi],
          "scaled": every run stepped under an enabled loss scaler,
          "groups": the optimizer's param groups as configured (WatchContext.group_config), when all runs agree,
@@ -633,13 +639,14 @@ def record_golden(runs, path=None) -> dict:
         values = [v for v in values if v is not None and math.isfinite(v)]
         return [min(values), max(values)] if values else None
 
-    def lrs(i):
-        groups = min(len(h[i].lrs or []) for h in histories)
-        return [span(h[i].lrs[g] for h in histories) for g in range(groups)]
+    def per_group(i, key):  # [lo, hi] per param group at step i of every run (groups all runs have)
+        groups = min(len(getattr(h[i], key) or []) for h in histories)
+        return [span(getattr(h[i], key)[g] for h in histories) for g in range(groups)]
 
     golden = {"runs": len(histories),
               "steps": [{"loss": span(h[i].loss for h in histories),
-                         "grad_norm": span(h[i].grad_norm for h in histories), "lrs": lrs(i)} for i in range(steps)],
+                         "grad_norm": span(h[i].grad_norm for h in histories), "lrs": per_group(i, "lrs"),
+                         "updates": per_group(i, "updates")} for i in range(steps)],
               "final_loss": span(h[-1].loss for h in histories),
               "scaled": all(r.scale is not None for h in histories for r in h)}
     golden["groups"], golden["model"] = _agreed(histories, "groups"), _agreed(histories, "model")

@@ -64,6 +64,7 @@ class StepRecord:
     eval_sizes: list[int] | None = None  # documents of each evaluation the loop reported a loss for after the step
     model: dict | None = None  # on the first record of each watch only: WatchContext.model_structure()
     sampled: bool = True  # a step the sampled measurements (the gradient norms) and checks looked at
+    updates: list[float | None] | None = None  # per param group, on sampled steps: ||w_after - w_before|| / ||w||
 
 
 class StepHistory:
@@ -96,6 +97,13 @@ class StepHistory:
 
     def __getitem__(self, index):
         return list(self._kept)[index] if isinstance(index, slice) else self._kept[index]
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor, detached (a DTensor's local shard: reading it runs no collective), else
+    the tensor itself, detached."""
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def cuda_devices(model: torch.nn.Module) -> list:

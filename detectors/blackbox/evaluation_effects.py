@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from faultbench.detectors.api import NotApplicable, register
-from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, local_shard
 
 CHUNK = 1 << 22  # elements of a tensor read at once in float64 (32 MB)
 SEED = 1234
@@ -53,7 +53,7 @@ class _Reader:
         self.params = params
         self.groups: dict[tuple, list[int]] = {}  # (device, dtype) -> indices, for the fused norms
         for i, p in enumerate(params):
-            local = _local(p)
+            local = local_shard(p)
             self.groups.setdefault((local.device, local.dtype), []).append(i)
         self.length = min(CHUNK, max((p.numel() for p in params), default=1))
         self._vectors: dict[torch.device, torch.Tensor] = {}
@@ -75,7 +75,7 @@ class _Reader:
             if t is None:
                 out[i, 2] = -1
                 continue
-            flat = _local(t.detach()).reshape(-1)
+            flat = local_shard(t).reshape(-1)
             out[i, 2] = flat.numel()
             if flat.numel() == 0:
                 out[i, :2] = 0.0
@@ -96,7 +96,7 @@ class _Reader:
     @torch.no_grad()
     def norms(self) -> list[torch.Tensor]:
         """Per (device, dtype) group, the L2 norm of each parameter: fused, left on the device (no sync)."""
-        return [torch.stack(torch._foreach_norm([_local(self.params[i]) for i in idx]))
+        return [torch.stack(torch._foreach_norm([local_shard(self.params[i]) for i in idx]))
                 for idx in self.groups.values()]
 
     def norms_array(self, norms: list[torch.Tensor]) -> np.ndarray:
@@ -104,11 +104,6 @@ class _Reader:
         for idx, values in zip(self.groups.values(), norms, strict=True):
             out[idx] = values.double().cpu().numpy()
         return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded tensor (a DTensor's local shard: reading it runs no collective), else itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:

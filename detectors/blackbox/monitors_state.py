@@ -114,13 +114,15 @@ class GoldenGradNorm(BlackBoxDetector):
     """The gradients the optimizer steps with (their norm, on the watch's sampled steps): none at all (or all zero)
     on ``MIN_STEPS`` sampled steps in a row although a backward ran each time (they were cleared between the
     backward and the step); and, against the known-good runs, a norm above ``HIGH`` x their largest at the same
-    steps on ``MIN_STEPS`` sampled steps in a row (their clipping or scaling does not act)."""
+    steps on ``MIN_STEPS`` sampled steps in a row (their clipping or scaling does not act), or below their smallest
+    / ``LOW`` (the loss the backward differentiates is scaled down: a normalization applied twice)."""
 
     id = "bb_golden_grad_norm"
     family = "optimizer"
     description = "optimizer stepping with no gradient after a backward, or with gradients larger than known-good"
     MIN_STEPS = 3
     HIGH = 1.5
+    LOW = 1.8  # Adam hides a smaller loss scale from the updates: only the gradients show it
 
     def __init__(self) -> None:
         super().__init__()
@@ -155,6 +157,17 @@ class GoldenGradNorm(BlackBoxDetector):
                              f"{first['golden'][1]:.3g}, {self.MIN_STEPS} steps in a row: their clipping does not "
                              "act on what the optimizer steps with (clipped before the backward, or not at all)",
                              {"steps": high[:5]}, confidence=0.6)
+        low = self.tally("low", {"step": record.step, "grad_norm": record.grad_norm, "golden": list(span)}
+                         if 0 < record.grad_norm < span[0] / self.LOW else None, self.MIN_STEPS, in_a_row=True)
+        if low:
+            first = low[0]
+            self.report_once("low", ctx, "loss", "loss",
+                             f"from step {first['step']} the optimizer stepped with gradients of norm "
+                             f"{first['grad_norm']:.3g} where the known-good runs' were at least "
+                             f"{first['golden'][0]:.3g}, {self.MIN_STEPS} sampled steps in a row: the loss the "
+                             "backward differentiates is scaled down (a mean taken twice: over the accumulation "
+                             "steps or the tokens), or part of it no longer reaches the weights",
+                             {"steps": low[:5]}, confidence=0.35)
 
 
 _PRECISION_KEYS = ("dtypes",)

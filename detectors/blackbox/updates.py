@@ -20,15 +20,14 @@ from __future__ import annotations
 import torch
 
 from faultbench.detectors.api import register
-from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, local_shard
 
 
 def _fingerprint(params: list[torch.Tensor]) -> list[float]:
     """The L2 norm of each tensor (one fused kernel): any update written to a tensor changes it (all but surely)."""
     if not params:
         return []
-    local = [getattr(p.detach(), "_local_tensor", p.detach()) for p in params]  # a DTensor's own shard
-    return torch.stack(torch._foreach_norm(local)).tolist()
+    return torch.stack(torch._foreach_norm([local_shard(p) for p in params])).tolist()
 
 
 @register

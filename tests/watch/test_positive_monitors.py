@@ -27,16 +27,21 @@ def _batches(seed: int, n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def _loop(model, optimizer, detector: str, *, scheduler=None, golden=None, clip: float | None = 1.0,
-          zero_grad_before_step: bool = False, overwrite_lr: float | None = None, seed: int = 0, steps: int = STEPS):
-    """A plain loop (forward, backward, clip, step, scheduler step, zero_grad) under a watch of ``detector`` alone.
-    The bugs: ``zero_grad_before_step`` (the gradients cleared between the backward and the step), ``overwrite_lr``
-    (the loop sets every group's lr itself after the scheduler set it), ``clip=None`` (no clipping)."""
+          zero_grad_before_step: bool = False, overwrite_lr: float | None = None, seed: int = 0, steps: int = STEPS,
+          micro: int = 1, divide_twice: bool = False):
+    """A plain loop (forward, backward, clip, step, scheduler step, zero_grad) under a watch of ``detector`` alone,
+    ``micro`` micro-batches (each loss divided by ``micro``) per step. The bugs: ``zero_grad_before_step`` (the
+    gradients cleared between the backward and the step), ``overwrite_lr`` (the loop sets every group's lr itself
+    after the scheduler set it), ``clip=None`` (no clipping), ``divide_twice`` (each micro-batch's loss divided
+    by ``micro`` twice)."""
     torch.set_num_threads(1)
     w = faultbench.watch(model, optimizer, scheduler=scheduler, golden=golden, report=False, detectors=[detector])
     with w:
-        for x, y in _batches(seed, steps):
-            _, loss = model(x, y)
-            loss.backward()
+        batches = _batches(seed, steps * micro)
+        for start in range(0, len(batches), micro):
+            for x, y in batches[start:start + micro]:
+                _, loss = model(x, y)
+                (loss / micro / (micro if divide_twice else 1)).backward()
             if zero_grad_before_step:
                 optimizer.zero_grad(set_to_none=True)
             if clip is not None:
@@ -126,6 +131,29 @@ def test_the_optimizer_steps_with_cleared_or_unclipped_gradients(bug):
         hits = finding.evidence["steps"]
         assert [h["step"] for h in hits] == [1, 2, 3]
         assert all(h["golden"][1] == pytest.approx(0.05, rel=1e-3) and h["grad_norm"] > 0.5 for h in hits)
+
+
+@functools.cache
+def _golden_accumulated() -> dict:
+    """Known-good runs (two seeds) accumulating 4 micro-batches, unclipped."""
+    runs = [_loop(*build(TrainConfig(), seed=s)[:2], "bb_golden_grad_norm", clip=None, seed=s, micro=4)
+            for s in (100, 101)]
+    return faultbench.record_golden(runs)
+
+
+@pytest.mark.parametrize("divide_twice", [False, True], ids=["correct", "loss_divided_twice"])
+def test_gradients_smaller_than_known_good_are_a_loss_finding(divide_twice):
+    model, optimizer, _ = build(TrainConfig(), seed=0)
+    w = _loop(model, optimizer, "bb_golden_grad_norm", golden=_golden_accumulated(), clip=None, micro=4,
+              divide_twice=divide_twice)
+    found = _found(w, "bb_golden_grad_norm")
+    if not divide_twice:
+        assert found == []
+        return
+    assert found == [("loss", "loss")]
+    hits = w.findings[0].evidence["steps"]
+    assert [h["step"] for h in hits] == [1, 2, 3]
+    assert all(h["grad_norm"] < h["golden"][0] / 3 for h in hits)  # 4 x smaller, where seeds differ far less
 
 
 # ---- bb_lr_shape, its scheduler rule: the optimizer steps with the LR its scheduler reports ----------------------
