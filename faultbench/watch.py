@@ -53,7 +53,7 @@ from faultbench.detectors.blackbox.batches import (
 )
 from faultbench.detectors.blackbox.conventions import Conventions
 from faultbench.detectors.blackbox.gradients import implied_loss as implied_loss_of
-from faultbench.detectors.blackbox.optimizer_numerics import stepped_groups, update_ratios, weight_sample
+from faultbench.detectors.blackbox.optimizer_numerics import WeightSampler, stepped_groups
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -184,6 +184,7 @@ class Watch:
         self._arrived: set[int] = set()  # parameters whose gradient this backward has accumulated
         self._backward_norm: float | None = None  # the norm as the last complete backward left the gradients
         self._before: dict = {}
+        self._weights = WeightSampler()
         self._scale: float | None = None  # the scaler's scale when last read
         self._skips_recorded = 0  # ctx.skipped_steps at the last StepRecord
         # seconds per detector in the loop's steps (a passive detector's: its overhead; a probe's there is counted
@@ -494,7 +495,7 @@ class Watch:
                         "scale": float(scaler.get_scale()) if self.ctx.scaler_enabled else None}
         if sampled:  # the update ratio: a fixed sample of each stepped tensor, read again after the step
             groups = stepped_groups(optimizer)
-            self._before["weights"] = (groups, weight_sample(groups))
+            self._before["weights"] = (groups, self._weights.sample(groups))
         self._fire("on_before_step", self.ctx)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
@@ -510,7 +511,7 @@ class Watch:
                             before["scale"], skipped, self._micro, self._batches, self._layout,
                             ctx.optimizer_count(), None if ctx.history else ctx.group_config(),
                             model=None if ctx.history else ctx.model_structure(), sampled=before["sampled"],
-                            updates=update_ratios(*before.pop("weights")) if "weights" in before else None)
+                            updates=self._weights.ratios(*before.pop("weights")) if "weights" in before else None)
         for h in self._batches:
             if len(ctx.batches_seen) < ctx.MAX_ROWS:
                 ctx.batches_seen.setdefault(h, ctx.step)

@@ -50,15 +50,17 @@ def _qualname_of(seam: str) -> str:
     return inspect.unwrap(resolve(seam)).__qualname__
 
 
-def _find_def(tree: ast.Module, qualname: str) -> ast.FunctionDef:
+def find_def(tree: ast.Module, qualname: str) -> ast.FunctionDef:
+    """The ``def`` (or class) that ``qualname`` names in ``tree``: at each level the LAST definition of the name,
+    the one Python binds when a module or class defines it twice (a splice into an earlier one would change
+    dead code)."""
     node: ast.AST = tree
     for part in qualname.split("."):
-        for child in node.body:
-            if isinstance(child, (ast.FunctionDef, ast.ClassDef)) and child.name == part:
-                node = child
-                break
-        else:
+        found = [c for c in node.body if isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                 and c.name == part]
+        if not found:
             raise FaultError(f"no definition of {qualname} in the module source")
+        node = found[-1]
     return node
 
 
@@ -73,7 +75,7 @@ def fault_function_source(seam: str, fn) -> str:
     """The fault's function as it stands in the spliced module: the seam's own header (decorators
     dropped, name and signature verbatim) and docstring (or none), then the fault's body."""
     seam_lines = Path(inspect.getsourcefile(inspect.unwrap(resolve(seam)))).read_text().splitlines()
-    seam_def = _find_def(ast.parse("\n".join(seam_lines)), _qualname_of(seam))
+    seam_def = find_def(ast.parse("\n".join(seam_lines)), _qualname_of(seam))
     seam_doc = _docstring_span(seam_def)
     seam_body_start = seam_doc[1] if seam_doc else seam_def.body[0].lineno - 1  # last header/doc line
     head = [line[seam_def.col_offset :] for line in seam_lines[seam_def.lineno - 1 : seam_body_start]]
@@ -89,7 +91,7 @@ def seam_function_source(seam: str) -> str:
     """The seam's own ``def`` (without decorators) as it stands in its module."""
     fn = inspect.unwrap(resolve(seam))
     lines = Path(inspect.getsourcefile(fn)).read_text().splitlines()
-    node = _find_def(ast.parse("\n".join(lines)), fn.__qualname__)
+    node = find_def(ast.parse("\n".join(lines)), fn.__qualname__)
     return "\n".join(lines[node.lineno - 1 : node.end_lineno]) + "\n"
 
 
@@ -97,7 +99,7 @@ def splice_module(source: str, replacements: dict[str, str]) -> str:
     """``source`` with each qualname's ``def`` replaced by the given function text (decorators kept)."""
     lines = source.splitlines()
     tree = ast.parse(source)
-    spans = sorted(((_find_def(tree, q), text) for q, text in replacements.items()),
+    spans = sorted(((find_def(tree, q), text) for q, text in replacements.items()),
                    key=lambda item: item[0].lineno, reverse=True)
     for node, text in spans:  # bottom-up, so earlier line numbers stay valid
         lines[node.lineno - 1 : node.end_lineno] = text.rstrip("\n").splitlines()

@@ -317,6 +317,19 @@ def cached_or_todo(cases: list[Case], digest: str, use_cache: bool = True) -> tu
     return records, todo
 
 
+def refuse_machinery_failures(records: dict[Case, dict]) -> None:
+    """A case whose worker died, whose rank failed or whose harness raised has no outcome to score: one line
+    (ValueError) before anything is written, so the existing results stay; they are not cached, so a rerun runs
+    those cases alone again."""
+    failed = [(case, record["crash"]) for case, record in records.items()
+              if (record.get("crash") or {}).get("type") in NOT_OUTCOMES]
+    if failed:
+        kinds = ", ".join(sorted({crash["type"] for _, crash in failed}))
+        first = " ".join(failed[0][1]["message"].split())[:160]
+        raise ValueError(f"{len(failed)} of {len(records)} cases failed in the machinery ({kinds}; the first: "
+                         f"{first}): nothing scored or written; run again (the others are cached)")
+
+
 def keep(case: Case, record: dict, digest: str) -> None:
     """Name ``record`` after its case and cache it, unless it is a hang or a failure of the machinery."""
     record["name"] = case.name
@@ -373,6 +386,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     finally:
         if pool is not None:
             pool.close()
+    refuse_machinery_failures(records)
     mark_manifested(records)
     return score_and_write([records[c] for c in cases], faults, cfg, wall_s=time.monotonic() - start,
                            cached=len(cases) - len(todo))

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from faultbench.faults.inject import find_def
 from faultbench.faults.registry import all_faults, get_fault
 from faultbench.harness.atomic import write_text
 from faultbench.harness.exercise_check import parse_log
@@ -101,17 +102,10 @@ def choose_fault(seed: int | None, fault: str | None, subsystem: str | None, lev
     return random.Random(seed).choice(pool)
 
 
-def _find_def(tree: ast.Module, qualname: str) -> ast.FunctionDef:
-    node = tree
-    for part in qualname.split("."):
-        node = next(c for c in node.body if isinstance(c, (ast.ClassDef, ast.FunctionDef)) and c.name == part)
-    return node
-
-
 def set_docstring(source: str, qualname: str, doc: str | None) -> str:
     """``source`` with the docstring of ``qualname``'s def replaced by ``doc`` (None: removed)."""
     lines = source.splitlines()
-    fn = _find_def(ast.parse(source), qualname)
+    fn = find_def(ast.parse(source), qualname)
     first = fn.body[0]
     has_doc = isinstance(first, ast.Expr) and isinstance(getattr(first.value, "value", None), str)
     indent = " " * first.col_offset

@@ -435,3 +435,19 @@ def test_a_folder_of_earlier_bundles_is_written_again_and_a_foreign_folder_is_re
     assert check_output(earlier, "--bundles", folder_of="*/bundle.json") == earlier
     with pytest.raises(ValueError, match="holds files of something else"):
         check_output(foreign, "--bundles", folder_of="*/bundle.json")
+
+
+def test_cases_failed_by_the_machinery_are_never_scored():
+    """A worker that died, a rank that failed, a harness error: no outcome of the case, so no score at all (one
+    line, nothing written); a crash of the case itself is an outcome and is scored."""
+    from faultbench.harness.bench import refuse_machinery_failures
+    from faultbench.harness.case import Case, failed_record
+
+    ok, lost = Case("fp32", 0, ("label_permute",), ("loss_contract",)), Case("fp32", 1, ("label_permute",), ())
+    crashed = {ok: failed_record(ok, "ValueError", "the fault's own crash")}
+    refuse_machinery_failures(crashed)
+    with pytest.raises(ValueError, match=r"^1 of 2 cases failed in the machinery \(WorkerDied; the first: the "
+                                         r"case's process died \(exit code -9\)\): nothing scored") as info:
+        refuse_machinery_failures({**crashed, lost: failed_record(lost, "WorkerDied",
+                                                                  "the case's process died\n(exit code -9)")})
+    assert "\n" not in str(info.value)

@@ -1,5 +1,6 @@
 """The command line: `faultbench train --json` and `faultbench seams --json`."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -50,16 +51,22 @@ def _last_json(argv: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@functools.cache
+def _single_process(args: tuple[str, ...]) -> dict:
+    return _last_json([sys.executable, "-m", "faultbench", *args])
+
+
 @pytest.mark.parametrize(
     "launcher",
     [[sys.executable, "-m", "faultbench"],
      [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "faultbench"]],
     ids=["world-size-flag", "torchrun"],
 )
+@pytest.mark.xdist_group("cli_two_ranks")
 def test_two_rank_training_matches_single_process(launcher):
     # Two ranks on the same global batch reach the single-process model up to float noise.
-    args = ["train", "--steps", "6", "--json"]
-    single = _last_json([sys.executable, "-m", "faultbench", *args])
+    args = ("train", "--steps", "6", "--json")
+    single = _single_process(args)  # one run for both launchers (on one worker: their group)
     ddp = _last_json([*launcher, *args, "--world-size", "2"])
     assert ddp["world_size"] == 2 and ddp["steps"] == 6
     assert ddp["val_loss"] == pytest.approx(single["val_loss"], abs=1e-4)

@@ -28,32 +28,41 @@ from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, Watc
 SAMPLE = 256  # elements read per tensor for the update ratio
 
 
-def weight_sample(groups: list[list[torch.Tensor]]) -> list[torch.Tensor | None]:
-    """Per group of parameters, an fp32 copy of a fixed strided sample of them (``SAMPLE`` elements per tensor at
-    most, the same elements on every call), None for an empty group."""
-    out = []
-    for params in groups:
-        parts = []
-        for p in params:
-            flat = local_shard(p).reshape(-1)
-            parts.append(flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE])
-        out.append(torch.cat(parts).float() if parts else None)
-    return out
-
-
 def stepped_groups(optimizer) -> list[list[torch.Tensor]]:
     """Per param group, its parameters that hold a gradient (what the coming step may update)."""
     return [[p for p in g["params"] if p.grad is not None] for g in optimizer.param_groups]
 
 
-def update_ratios(groups: list[list[torch.Tensor]], before: list[torch.Tensor | None]) -> list[float | None]:
-    """Per group, ||after - before|| / ||before|| over the sample ``weight_sample`` took before the step (None for
-    an empty group or weights of norm 0)."""
-    ratios = []
-    for b, a in zip(before, weight_sample(groups), strict=True):
-        norm = float(torch.linalg.vector_norm(b)) if b is not None else 0.0
-        ratios.append(float(torch.linalg.vector_norm(a - b)) / norm if norm > 0 and math.isfinite(norm) else None)
-    return ratios
+class WeightSampler:
+    """Per group of parameters, an fp32 copy of a fixed strided sample of them (``SAMPLE`` elements per tensor at
+    most, the same elements on every call), None for an empty group. The strided views are made once and kept
+    while the groups hold the same tensors in the same storage (a step costs one copy per group, not a view per
+    tensor)."""
+
+    def __init__(self) -> None:
+        self._key: list | None = None
+        self._views: list[list[torch.Tensor]] = []
+
+    def sample(self, groups: list[list[torch.Tensor]]) -> list[torch.Tensor | None]:
+        key = [[(id(p), p.data_ptr()) for p in params] for params in groups]
+        if key != self._key:
+            self._key = key
+            self._views = [[_strided(p) for p in params] for params in groups]
+        return [torch.cat(views).float() if views else None for views in self._views]
+
+    def ratios(self, groups: list[list[torch.Tensor]], before: list[torch.Tensor | None]) -> list[float | None]:
+        """Per group, ||after - before|| / ||before|| over the sample ``sample`` took before the step (None for an
+        empty group or weights of norm 0)."""
+        out = []
+        for b, a in zip(before, self.sample(groups), strict=True):
+            norm = float(torch.linalg.vector_norm(b)) if b is not None else 0.0
+            out.append(float(torch.linalg.vector_norm(a - b)) / norm if norm > 0 and math.isfinite(norm) else None)
+        return out
+
+
+def _strided(p: torch.Tensor) -> torch.Tensor:
+    flat = local_shard(p).reshape(-1)
+    return flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE]
 
 
 @register

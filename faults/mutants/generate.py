@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from faultbench.faults.inject import _find_def, display_path
+from faultbench.faults.inject import display_path, find_def
 from faultbench.faults.mutants.operators import OPERATORS, Source, apply, body_of
 from faultbench.faults.registry import FAULTS, FaultError, Manifest, fault, seam_table
 from faultbench.model.seams import resolve
@@ -70,7 +70,7 @@ def _seam_def(seam: str) -> tuple[Source, ast.FunctionDef, str]:
     fn = inspect.unwrap(resolve(seam))
     path = inspect.getsourcefile(fn)
     source, tree = _parsed(path)
-    return source, _find_def(tree, fn.__qualname__), path
+    return source, find_def(tree, fn.__qualname__), path
 
 
 def seam_candidates(target: str, seam: str, subsystem: str) -> list[Candidate]:

@@ -373,15 +373,21 @@ SPIED = ("ignore_index_mismatch", "optimizer_state_not_restored", "missing_bos",
 SPY, SPY_PLUGIN = "test_context_spy", str(Path(__file__).with_name("spy_plugin.py"))
 
 
-@pytest.fixture(scope="module")
+_SPY_RECORDS: dict[str, dict] = {}  # once per worker: a module fixture is torn down and rebuilt whenever the
+# worker's queue interleaves this module's tests with another module's (the ddp_suite group does)
+
+
+@pytest.fixture
 def spy_records(suite_pool):
-    """{fault id: the case record of the spy on it}; the spy's registration is undone after."""
-    try:
-        yield {fault_id: execute(Case(recipe_for(all_faults()[fault_id].manifest), 0, (fault_id,), (SPY,),
-                                      (SPY_PLUGIN,)), pool=suite_pool)
-               for fault_id in SPIED}
-    finally:
-        DETECTORS.pop(SPY, None)
+    """{fault id: the case record of the spy on it}; the spy's registration is undone after the runs."""
+    if not _SPY_RECORDS:
+        try:
+            _SPY_RECORDS.update({fault_id: execute(Case(recipe_for(all_faults()[fault_id].manifest), 0, (fault_id,),
+                                                        (SPY,), (SPY_PLUGIN,)), pool=suite_pool)
+                                 for fault_id in SPIED})
+        finally:
+            DETECTORS.pop(SPY, None)
+    return _SPY_RECORDS
 
 
 @pytest.mark.xdist_group("ddp_suite")  # with the other 2-rank cases: one worker, one pool, one spy run

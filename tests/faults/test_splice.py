@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from faultbench.faults.inject import fault_function_source, injected, render_tree
+from faultbench.faults.inject import fault_function_source, injected, render_tree, splice_module
 from faultbench.faults.registry import all_faults
 from faultbench.harness.scenario import run_scenario
 from faultbench.model.seams import SEAMS, resolve
@@ -41,7 +41,12 @@ def test_traceback_names_the_seam_not_the_fault_module():
     crashing = [f for f, spec in FAULTS.items()
                 if spec.manifest.check.startswith("crash") and not spec.manifest.scenario.startswith("ddp")]
     assert crashing, "no crash fault registered"
-    for fault_id in crashing:
+    # the splice is one mechanism for every fault: the three shortest crash scenarios of distinct seam modules
+    # show it (each run lasts to its crash; all of them cost a minute)
+    by_module = {}
+    for fault_id in sorted(crashing, key=lambda f: (FAULTS[f].manifest.steps, f)):
+        by_module.setdefault(FAULTS[fault_id].seams[0].rsplit(".", 1)[0], fault_id)
+    for fault_id in list(by_module.values())[:3]:
         m = FAULTS[fault_id].manifest
         out = run_scenario(m.scenario, m.variant, m.steps, m.seeds[0], (fault_id,))
         assert out.crash, fault_id
@@ -114,3 +119,13 @@ def test_several_faults_compose_and_two_on_one_seam_are_refused():
     with pytest.raises(FaultError, match="both replace model.loss.lm_loss"):
         with injected(*twins):
             pass
+
+
+def test_a_name_defined_twice_is_spliced_where_python_binds_it():
+    # the later def is the live one: a fault spliced into the earlier would change dead code and never run
+    source = "def f():\n    return 1\n\n\ndef f():\n    return 2\n\n\nclass C:\n    def g(self):\n        return 3\n"
+    spliced = splice_module(source, {"f": "def f():\n    return 20\n", "C.g": "    def g(self):\n        return 30\n"})
+    namespace: dict = {}
+    exec(compile(spliced, "<spliced>", "exec"), namespace)
+    assert namespace["f"]() == 20 and namespace["C"]().g() == 30
+    assert "return 1\n" in spliced  # the dead definition is left as it was

@@ -16,6 +16,7 @@ import faultbench
 from tests.watch.nanogpt import TrainConfig, build, get_batch
 
 WORLD, STEPS, ACCUM = 2, 3, 2
+pytestmark = pytest.mark.xdist_group("watch_grad_sync")  # one worker: the two ranks' run (a module fixture) once
 DETECTORS = ["bb_loss_normalization", "bb_reported_grad_norm"]
 # scenario -> (loss normalization, sync: a DDP communication hook, "ddp" (its own mean), "by_hand" (no DDP: all-reduce
 # / world after the backward), "ddp+sum" (DDP, then the gradients all-reduced again before the clipping))
