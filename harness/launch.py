@@ -94,9 +94,10 @@ class RankPool:
         self.world_size, self.backend, self.pg_timeout_s = world_size, backend, pg_timeout_s
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            # workers fork from a server that has already imported the training stack
-            self._ctx.set_forkserver_preload(["torch", "faultbench.model.run", "faultbench.model.train",
-                                              "faultbench.model.checkpoint", *preload])
+            # workers fork from a server that has already imported the training stack, and torch._dynamo: the first
+            # optimizer a process builds imports it (torch._disable_dynamo), 2-4 s for every worker otherwise
+            self._ctx.set_forkserver_preload(["torch", "torch._dynamo", "faultbench.model.run",
+                                              "faultbench.model.train", "faultbench.model.checkpoint", *preload])
         self._procs: list = []
 
     def _start(self, timeout_s: float) -> None:
