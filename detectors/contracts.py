@@ -318,7 +318,7 @@ _CONTRACTS = (
        "precomputed position tables (rotary cos/sin, sinusoids) equal their definition from the config before "
        "and after a load, in every dtype move",
        "RoFormer (2021); PyTorch docs, register_buffer(persistent=False) (derived buffers stay out of checkpoints)",
-       WB, ("rope_properties",)),
+       BOTH, ("rope_properties", "bb_golden_init")),
     _c("positions.numerics.in-bounds",
        "every position id, cached offsets included, lies inside the position table",
        S000 + ": position_ids within table bounds",
@@ -447,7 +447,7 @@ _CONTRACTS = (
        "with depth)",
        "Radford et al., GPT-2 (2019), sec. 2.3 (residual init scaled by 1/sqrt(N)); " + S001
        + ": bad initialization",
-       BOTH, ("init_envelope",)),
+       BOTH, ("init_envelope", "bb_golden_init")),
     _c("blocks.isolation.position-wise",
        "norms and MLPs act on each position and row alone: only attention mixes positions",
        "Vaswani et al. (2017), sec. 3.3 (position-wise feed-forward networks)",

@@ -248,6 +248,8 @@ class Watch:
             raise RuntimeError("faultbench.watch: this watch is already watching (a `with` of it is open); "
                                "one watch watches one loop at a time")
         self._attach()
+        if not self.ctx.start_step and self.ctx.previous is None:  # a fresh run: the weights as initialized
+            self.ctx.initial = self.ctx.initial_values()
         self._fire("on_start", self.ctx)
         return self
 
@@ -511,7 +513,8 @@ class Watch:
                             before["scale"], skipped, self._micro, self._batches, self._layout,
                             ctx.optimizer_count(), None if ctx.history else ctx.group_config(),
                             model=None if ctx.history else ctx.model_structure(), sampled=before["sampled"],
-                            updates=self._weights.ratios(*before.pop("weights")) if "weights" in before else None)
+                            updates=self._weights.ratios(*before.pop("weights")) if "weights" in before else None,
+                            init=None if ctx.history else ctx.initial)
         for h in self._batches:
             if len(ctx.batches_seen) < ctx.MAX_ROWS:
                 ctx.batches_seen.setdefault(h, ctx.step)
@@ -624,6 +627,8 @@ def record_golden(runs, path=None) -> dict:
          "scaled": every run stepped under an enabled loss scaler,
          "groups": the optimizer's param groups as configured (WatchContext.group_config), when all runs agree,
          "model": the model's parameters as built (WatchContext.model_structure), when all runs agree,
+         "init": {name: {"std": [lo, hi], "mean": [lo, hi], "numel": n}} of each parameter and floating buffer as
+                 the runs started (StepRecord.init), when every run started fresh,
          "layout": {"bos" | "bos2" | "eos" | "full_eos" | "idle": [lo, hi] of each run's fraction of its rows, of
                     its full-width rows, of its padded cells (detectors.blackbox.batches.FRACTIONS)}, "max_len": int,
          "repeats": the most training batches any run trained on twice,
@@ -651,6 +656,7 @@ def record_golden(runs, path=None) -> dict:
               "final_loss": span(h[-1].loss for h in histories),
               "scaled": all(r.scale is not None for h in histories for r in h)}
     golden["groups"], golden["model"] = _agreed(histories, "groups"), _agreed(histories, "model")
+    golden["init"] = _init_spans(histories)
     layouts = [[r.layout for r in h if r.layout] for h in histories]
     if all(layouts):
         runs = [layout_fractions(run) for run in layouts]
@@ -674,6 +680,18 @@ def _agreed(histories: list[list[StepRecord]], field: str):
     """A first-record-only ``field`` (``groups``, ``model``) when every run recorded the same value, else None."""
     values = [next((getattr(r, field) for r in h if getattr(r, field) is not None), None) for h in histories]
     return values[0] if values[0] is not None and all(v == values[0] for v in values) else None
+
+
+def _init_spans(histories: list[list[StepRecord]]) -> dict | None:
+    """{name: {"std": [lo, hi], "mean": [lo, hi], "numel": n}} over the runs' initial weights (``StepRecord.init``),
+    for the tensors every run had at the same size; None unless every run started fresh."""
+    inits = [h[0].init for h in histories]
+    if not all(inits):
+        return None
+    names = [n for n in inits[0] if all(n in i and i[n][2] == inits[0][n][2] for i in inits)]
+    return {n: {"std": [min(i[n][0] for i in inits), max(i[n][0] for i in inits)],
+                "mean": [min(i[n][1] for i in inits), max(i[n][1] for i in inits)], "numel": inits[0][n][2]}
+            for n in names}
 
 
 def _history(run) -> list[StepRecord]:

@@ -65,6 +65,7 @@ class StepRecord:
     model: dict | None = None  # on the first record of each watch only: WatchContext.model_structure()
     sampled: bool = True  # a step the sampled measurements (the gradient norms) and checks looked at
     updates: list[float | None] | None = None  # per param group, on sampled steps: ||w_after - w_before|| / ||w||
+    init: dict | None = None  # on the first record of a fresh watch only: WatchContext.initial (the weights as found)
 
 
 class StepHistory:
@@ -141,6 +142,7 @@ class WatchContext:
         self.start_step = 0  # the loop's step when the watch was attached (a resumed loop's step; ``step`` too)
         self.previous: WatchContext | None = None  # the watch of the run's segment before a resume, if given
         self.saved_states: dict[int, dict] = {}  # step -> what detectors recorded as a checkpoint was saved there
+        self.initial: dict | None = None  # a fresh watch's model as found at its start (``initial_values``)
         self.batches_seen: dict[int, int] = {}  # training batch hash -> the step it was trained at (MAX_ROWS at most)
         self.train_rows: set[int] = set()  # hashes of the training rows seen (at most MAX_ROWS)
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
@@ -230,6 +232,22 @@ class WatchContext:
                 shared.append(name)
             distinct.setdefault(id(p), p)
         return {"params": len(distinct), "numel": sum(p.numel() for p in distinct.values()), "shared": shared}
+
+    def initial_values(self) -> dict[str, list]:
+        """Each parameter and floating buffer as the model holds it now: {name: [std, mean, numel]} (this rank's
+        shard of a sharded tensor; tied tensors once, under their first name)."""
+        out, seen = {}, set()
+        with torch.no_grad():
+            named = [*self.model.named_parameters(), *self.model.named_buffers()]
+            for name, t in named:
+                if id(t) in seen or not t.is_floating_point() or t.numel() == 0:
+                    continue
+                seen.add(id(t))
+                values = local_shard(t)
+                values = values if values.dtype == torch.float32 else values.float()
+                std, mean = torch.std_mean(values) if values.numel() > 1 else (torch.zeros(()), values.mean())
+                out[name] = [float(std), float(mean), values.numel()]
+        return out
 
     def optimizer_count(self) -> int | None:
         """The optimizer's own step counter: the "step" of its state for one parameter (Adam, AdamW, RMSprop,

@@ -1,9 +1,9 @@
 """Every registered fault of every target is real: its scenario, clean vs faulty on the same seeds, shows the symptom.
 
-Parametrized over (target, fault id), e.g. ``ref/label_permute`` and ``hf/hf_label_shift_off_by_one``. A
-worker's clean runs are shared per (target, scenario, variant, steps, seed) (``clean_cache``). The HF proofs are
-spread over the workers like the reference's: each worker pays the transformers import once (seconds), while
-one xdist group would leave the other worker idle for minutes.
+Parametrized over (target, fault id), e.g. ``ref/label_permute`` and ``hf/hf_label_shift_off_by_one``. The
+session's clean runs are shared per (target, scenario, variant, steps, seed) by all workers (``clean_cache``). The
+HF proofs are spread over the workers like the reference's: each worker pays the transformers import once
+(seconds), while one xdist group would leave the other worker idle for minutes.
 Plugin faults too: ``pytest tests/faults/test_manifest.py --fault-plugin FILE -k FAULT_ID`` proves one."""
 
 import pytest
