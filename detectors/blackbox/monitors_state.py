@@ -147,27 +147,23 @@ class GoldenGradNorm(BlackBoxDetector):
         span = _span(steps, record.step - 1, _window(ctx), "grad_norm") if steps else None
         if span is None or record.grad_norm is None or not math.isfinite(record.grad_norm):
             return
-        high = self.tally("high", {"step": record.step, "grad_norm": record.grad_norm, "golden": list(span)}
-                          if record.grad_norm > self.HIGH * span[1] else None, self.MIN_STEPS, in_a_row=True)
-        if high:
-            first = high[0]
-            self.report_once("high", ctx, "optimizer", "optimizer",
-                             f"from step {first['step']} the optimizer stepped with gradients of norm "
-                             f"{first['grad_norm']:.3g} where the known-good runs stepped with at most "
-                             f"{first['golden'][1]:.3g}, {self.MIN_STEPS} steps in a row: their clipping does not "
-                             "act on what the optimizer steps with (clipped before the backward, or not at all)",
-                             {"steps": high[:5]}, confidence=0.6)
-        low = self.tally("low", {"step": record.step, "grad_norm": record.grad_norm, "golden": list(span)}
-                         if 0 < record.grad_norm < span[0] / self.LOW else None, self.MIN_STEPS, in_a_row=True)
-        if low:
-            first = low[0]
-            self.report_once("low", ctx, "loss", "loss",
-                             f"from step {first['step']} the optimizer stepped with gradients of norm "
-                             f"{first['grad_norm']:.3g} where the known-good runs' were at least "
-                             f"{first['golden'][0]:.3g}, {self.MIN_STEPS} sampled steps in a row: the loss the "
-                             "backward differentiates is scaled down (a mean taken twice: over the accumulation "
-                             "steps or the tokens), or part of it no longer reaches the weights",
-                             {"steps": low[:5]}, confidence=0.35)
+        point = {"step": record.step, "grad_norm": record.grad_norm, "golden": list(span)}
+        for key, off, subsystem, confidence, why in (
+                ("high", record.grad_norm > self.HIGH * span[1], "optimizer", 0.6,
+                 "where the known-good runs stepped with at most {hi:.3g}, {n} sampled steps in a row: their "
+                 "clipping does not act on what the optimizer steps with (clipped before the backward, or not at "
+                 "all)"),
+                ("low", 0 < record.grad_norm < span[0] / self.LOW, "loss", 0.35,
+                 "where the known-good runs' were at least {lo:.3g}, {n} sampled steps in a row: the loss the "
+                 "backward differentiates is scaled down (a mean taken twice: over the accumulation steps or the "
+                 "tokens), or part of it no longer reaches the weights")):
+            hits = self.tally(key, point if off else None, self.MIN_STEPS, in_a_row=True)
+            if hits:
+                (lo, hi), first = hits[0]["golden"], hits[0]
+                self.report_once(key, ctx, subsystem, subsystem,
+                                 f"from step {first['step']} the optimizer stepped with gradients of norm "
+                                 f"{first['grad_norm']:.3g} " + why.format(lo=lo, hi=hi, n=self.MIN_STEPS),
+                                 {"steps": hits[:5]}, confidence=confidence)
 
 
 _PRECISION_KEYS = ("dtypes",)

@@ -17,6 +17,7 @@ import torch
 
 import faultbench
 from tests.watch import nanogpt
+from tests.watch.loops import watched_steps
 
 torch.set_num_threads(1)
 
@@ -36,17 +37,10 @@ def _model(seed: int, bug: str | None = None) -> tuple[torch.nn.Module, torch.op
     return model, optimizer
 
 
-def _watch(model, optimizer, golden=None, step: int = 0, previous=None, steps: int = 2):
-    w = faultbench.watch(model, optimizer, golden=golden, report=False, detectors=["bb_golden_init"], step=step,
+def _watch(model, optimizer, golden=None, step: int = 0, previous=None):
+    batches = [nanogpt.get_batch("train", 4, 16) for _ in range(2)]
+    return watched_steps(model, optimizer, batches, golden=golden, detectors=["bb_golden_init"], step=step,
                          previous=previous)
-    with w:
-        for _ in range(steps):
-            _, loss = model(*nanogpt.get_batch("train", 4, 16))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    assert w.errors == {}
-    return w
 
 
 @functools.cache
@@ -83,3 +77,49 @@ def test_a_resumed_run_is_not_judged_by_its_initialization():
     first = _watch(model, optimizer, golden=_golden())
     resumed = _watch(model, optimizer, golden=_golden(), step=2, previous=first)
     assert "bb_golden_init" in resumed.not_applicable and resumed.findings == []
+
+
+# ---- bb_golden_activations: each module's output at the first training forward, in the order the modules ran ----
+class _ReluMLP(torch.nn.Module):
+    """A user's MLP that declares GELU and runs ReLU (the hidden activation swapped)."""
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.c_fc, self.c_proj, self.dropout = mlp.c_fc, mlp.c_proj, mlp.dropout
+        self.gelu = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+def _activations_watch(seed: int, bug: str | None = None):
+    model, optimizer = _model(seed)
+    if bug == "relu_for_gelu":
+        model.transformer.h[1].mlp = _ReluMLP(model.transformer.h[1].mlp)
+    if bug == "norm_eps":  # an epsilon of 1 where 1e-5 is declared: every normalized row shrinks
+        model.transformer.ln_f.eps = 1.0
+    batches = [nanogpt.get_batch("train", 4, 16) for _ in range(2)]
+    return watched_steps(model, optimizer, batches, golden=_activation_golden(), detectors=["bb_golden_activations"])
+
+
+@functools.cache
+def _activation_golden() -> dict:
+    runs = [watched_steps(*_model(s), [nanogpt.get_batch("train", 4, 16) for _ in range(2)]) for s in (100, 101)]
+    return faultbench.record_golden(runs)
+
+
+def test_the_first_forward_of_correct_models_is_silent_and_read_in_run_order():
+    modules = list(_activation_golden()["activations"])
+    assert modules[0] == "transformer.wte" and modules.index("transformer.h.0.attn.c_attn") < modules.index(
+        "transformer.h.0.attn") < modules.index("transformer.h.1.ln_1")  # a module ends after its children
+    for seed in (0, 1, 2):
+        assert _activations_watch(seed).findings == []
+
+
+@pytest.mark.parametrize(("bug", "module"), [
+    ("relu_for_gelu", "transformer.h.1.mlp.gelu"),  # ReLU's mean, 0.4 std of its input; GELU's near 0 at init
+    ("norm_eps", "transformer.ln_f"),
+])
+def test_a_module_computing_otherwise_is_named_first_in_run_order(bug, module):
+    w = _activations_watch(0, bug)
+    assert [(f.detector, f.subsystem, f.where) for f in w.findings] == [("bb_golden_activations", "model", module)]

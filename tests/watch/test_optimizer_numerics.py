@@ -15,6 +15,7 @@ import torch
 
 import faultbench
 from tests.watch import nanogpt
+from tests.watch.loops import watched_steps
 
 torch.set_num_threads(1)
 
@@ -60,18 +61,10 @@ def _parts(seed: int, user_optimizer: bool = False, bug: str | None = None):
 
 
 def _segment(model, optimizer, seed: int, start: int, stop: int, golden=None, previous=None):
-    w = faultbench.watch(model, optimizer, golden=golden, report=False, detectors=DETECTORS, step=start,
-                         previous=previous)
     torch.manual_seed(seed + 1000)  # the data order: the same for a run and its resumed segment
     batches = [nanogpt.get_batch("train", 8, 32) for _ in range(stop)]
-    with w:
-        for x, y in batches[start:stop]:
-            _, loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    assert w.errors == {}
-    return w
+    return watched_steps(model, optimizer, batches[start:stop], golden=golden, detectors=DETECTORS, step=start,
+                         previous=previous)
 
 
 @functools.cache
