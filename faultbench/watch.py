@@ -669,7 +669,8 @@ def record_golden(runs, path=None) -> dict:
               "final_loss": span(h[-1].loss for h in histories),
               "scaled": all(r.scale is not None for h in histories for r in h)}
     golden["groups"], golden["model"] = _agreed(histories, "groups"), _agreed(histories, "model")
-    golden["init"], golden["activations"] = _first_spans(histories, "init"), _first_spans(histories, "activations")
+    golden["init"] = _first_spans(histories, "init")
+    golden["activations"] = _first_spans(histories, "activations", same_size=False)  # batch shapes differ by seed
     layouts = [[r.layout for r in h if r.layout] for h in histories]
     if all(layouts):
         runs = [layout_fractions(run) for run in layouts]
@@ -695,17 +696,17 @@ def _agreed(histories: list[list[StepRecord]], field: str):
     return values[0] if values[0] is not None and all(v == values[0] for v in values) else None
 
 
-def _first_spans(histories: list[list[StepRecord]], field: str) -> dict | None:
+def _first_spans(histories: list[list[StepRecord]], field: str, same_size: bool = True) -> dict | None:
     """{name: {"std": [lo, hi], "mean": [lo, hi], "numel": n}} over the runs' first-record ``field`` (``init``:
     the weights as they started, ``activations``: the first training forward's module outputs), for the names every
-    run had at the same size; None unless every run started fresh."""
+    run had (at the same size, with ``same_size``; n is the smallest); None unless every run started fresh."""
     firsts = [getattr(h[0], field) for h in histories]
     if not all(firsts):
         return None
-    names = [n for n in firsts[0] if all(n in i and i[n][2] == firsts[0][n][2] for i in firsts)]
+    names = [n for n in firsts[0] if all(n in i and (i[n][2] == firsts[0][n][2] or not same_size) for i in firsts)]
     return {n: {"std": [min(i[n][0] for i in firsts), max(i[n][0] for i in firsts)],
-                "mean": [min(i[n][1] for i in firsts), max(i[n][1] for i in firsts)], "numel": firsts[0][n][2]}
-            for n in names}
+                "mean": [min(i[n][1] for i in firsts), max(i[n][1] for i in firsts)],
+                "numel": min(i[n][2] for i in firsts)} for n in names}
 
 
 def _history(run) -> list[StepRecord]:

@@ -106,9 +106,10 @@ def digest(target: str = "ref") -> str:
     from faultbench.harness.case import source_digest
 
     stack = () if target == "ref" else (f"targets/{target}", "targets/__init__.py")
-    # a golden run's envelope for the black-box track is what the watch recorded (faultbench/watch.py)
+    # a golden run's envelope for the black-box track is what the watch recorded (faultbench/watch.py, with the
+    # step records and the readers of detectors/blackbox/: a new field there is a new golden)
     return source_digest("model", *stack, "harness/golden.py", "harness/case.py", "faultbench/watch.py",
-                         "harness/watched.py")[:16]
+                         "harness/watched.py", "detectors/blackbox")[:16]
 
 
 def _key(recipe: str, target: str = "ref") -> str:

@@ -92,13 +92,13 @@ class _ReluMLP(torch.nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-def _activations_watch(seed: int, bug: str | None = None):
+def _activations_watch(seed: int, bug: str | None = None, rows: int = 4, length: int = 16):
     model, optimizer = _model(seed)
     if bug == "relu_for_gelu":
         model.transformer.h[1].mlp = _ReluMLP(model.transformer.h[1].mlp)
     if bug == "norm_eps":  # an epsilon of 1 where 1e-5 is declared: every normalized row shrinks
         model.transformer.ln_f.eps = 1.0
-    batches = [nanogpt.get_batch("train", 4, 16) for _ in range(2)]
+    batches = [nanogpt.get_batch("train", rows, length) for _ in range(2)]
     return watched_steps(model, optimizer, batches, golden=_activation_golden(), detectors=["bb_golden_activations"])
 
 
@@ -114,6 +114,7 @@ def test_the_first_forward_of_correct_models_is_silent_and_read_in_run_order():
         "transformer.h.0.attn") < modules.index("transformer.h.1.ln_1")  # a module ends after its children
     for seed in (0, 1, 2):
         assert _activations_watch(seed).findings == []
+    assert _activations_watch(3, rows=6, length=12).findings == []  # another batch shape than the known-good runs'
 
 
 @pytest.mark.parametrize(("bug", "module"), [
