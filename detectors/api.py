@@ -359,7 +359,7 @@ BUILTIN_MODULES = (
     "faultbench.detectors.blackbox.crashes", "faultbench.detectors.blackbox.evaluation_effects",
     "faultbench.detectors.blackbox.updates", "faultbench.detectors.blackbox.gradient_check",
     "faultbench.detectors.blackbox.resume_state", "faultbench.detectors.blackbox.optimizer_numerics",
-    "faultbench.detectors.blackbox.initialization", "faultbench.detectors.blackbox.activations",
+    "faultbench.detectors.blackbox.initialization",
 )
 _loaded = False
 

@@ -437,7 +437,7 @@ _CONTRACTS = (
        "every module's output is finite and stays within the scale known-good runs show (no explosion or "
        "vanishing through depth)",
        S002 + ": activation quantiles per layer; " + S004 + ": NaN debugging, detect the first NaN site",
-       BOTH, ("init_envelope", "nonfinite_origin", "bb_first_nonfinite", "bb_golden_activations")),
+       BOTH, ("init_envelope", "nonfinite_origin", "bb_first_nonfinite")),
     _c("blocks.numerics.safe-normalization",
        "normalization divides by a positive epsilon-guarded quantity computed in at least fp32",
        S004 + ": division by zero when a variance estimate hits 0",

@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 
 from faultbench.detectors.api import Finding, NotApplicable, all_detectors, rank_findings
-from faultbench.detectors.blackbox.activations import ActivationRecorder
 from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, black_box_ids
 from faultbench.detectors.blackbox.batches import FRACTIONS as LAYOUT_FRACTIONS
 from faultbench.detectors.blackbox.batches import (
@@ -186,7 +185,6 @@ class Watch:
         self._backward_norm: float | None = None  # the norm as the last complete backward left the gradients
         self._before: dict = {}
         self._weights = WeightSampler()
-        self._recorder: ActivationRecorder | None = None
         self._scale: float | None = None  # the scaler's scale when last read
         self._skips_recorded = 0  # ctx.skipped_steps at the last StepRecord
         # seconds per detector in the loop's steps (a passive detector's: its overhead; a probe's there is counted
@@ -298,9 +296,6 @@ class Watch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._recorder is not None:  # the first forward raised: its module hooks go too
-            self._recorder.stop()
-            self._recorder = None
 
     def watch_evaluations(self) -> None:
         """After exit: keep the model's forward hooks for evaluation forwards only (no grad or eval mode), so an
@@ -364,17 +359,11 @@ class Watch:
         self._eval_call = not (torch.is_grad_enabled() and module.training)
         self.ctx.phase = "eval forward" if self._eval_call else "forward"
         self._pending = self.ctx.pending_batch = normalize_call(self._positional, args, kwargs)
-        if not self._eval_call and self.ctx.initial is not None and self.ctx.activations is None and self.attached:
-            self._recorder = ActivationRecorder(module)  # a fresh run's first training forward, module by module
-            self._recorder.start()
         if self.ctx.rng_at_start is None and torch.is_grad_enabled() and module.training:
             self.ctx.rng_at_start = torch.get_rng_state()  # the global RNG as the first training forward finds it
 
     def _after_forward(self, module, args, output) -> None:
         batch, self._pending = self._pending or {}, None
-        if self._recorder is not None:
-            self._recorder.stop()
-            self.ctx.activations, self._recorder = self._recorder.stats, None
         logits, loss = split_output(output)
         training = torch.is_grad_enabled() and module.training
         ids = batch.get("input_ids")
@@ -525,8 +514,7 @@ class Watch:
                             ctx.optimizer_count(), None if ctx.history else ctx.group_config(),
                             model=None if ctx.history else ctx.model_structure(), sampled=before["sampled"],
                             updates=self._weights.ratios(*before.pop("weights")) if "weights" in before else None,
-                            init=None if ctx.history else ctx.initial,
-                            activations=None if ctx.history else ctx.activations)
+                            init=None if ctx.history else ctx.initial)
         for h in self._batches:
             if len(ctx.batches_seen) < ctx.MAX_ROWS:
                 ctx.batches_seen.setdefault(h, ctx.step)
@@ -641,7 +629,6 @@ def record_golden(runs, path=None) -> dict:
          "model": the model's parameters as built (WatchContext.model_structure), when all runs agree,
          "init": {name: {"std": [lo, hi], "mean": [lo, hi], "numel": n}} of each parameter and floating buffer as
                  the runs started (StepRecord.init), when every run started fresh,
-         "activations": the same of each module's output at the first training forward (StepRecord.activations),
          "layout": {"bos" | "bos2" | "eos" | "full_eos" | "idle": [lo, hi] of each run's fraction of its rows, of
                     its full-width rows, of its padded cells (detectors.blackbox.batches.FRACTIONS)}, "max_len": int,
          "repeats": the most training batches any run trained on twice,
@@ -669,8 +656,7 @@ def record_golden(runs, path=None) -> dict:
               "final_loss": span(h[-1].loss for h in histories),
               "scaled": all(r.scale is not None for h in histories for r in h)}
     golden["groups"], golden["model"] = _agreed(histories, "groups"), _agreed(histories, "model")
-    golden["init"] = _first_spans(histories, "init")
-    golden["activations"] = _first_spans(histories, "activations", same_size=False)  # batch shapes differ by seed
+    golden["init"] = _init_spans(histories)
     layouts = [[r.layout for r in h if r.layout] for h in histories]
     if all(layouts):
         runs = [layout_fractions(run) for run in layouts]
@@ -696,17 +682,16 @@ def _agreed(histories: list[list[StepRecord]], field: str):
     return values[0] if values[0] is not None and all(v == values[0] for v in values) else None
 
 
-def _first_spans(histories: list[list[StepRecord]], field: str, same_size: bool = True) -> dict | None:
-    """{name: {"std": [lo, hi], "mean": [lo, hi], "numel": n}} over the runs' first-record ``field`` (``init``:
-    the weights as they started, ``activations``: the first training forward's module outputs), for the names every
-    run had (at the same size, with ``same_size``; n is the smallest); None unless every run started fresh."""
-    firsts = [getattr(h[0], field) for h in histories]
-    if not all(firsts):
+def _init_spans(histories: list[list[StepRecord]]) -> dict | None:
+    """{name: {"std": [lo, hi], "mean": [lo, hi], "numel": n}} over the runs' initial weights (``StepRecord.init``),
+    for the tensors every run had at the same size; None unless every run started fresh."""
+    inits = [h[0].init for h in histories]
+    if not all(inits):
         return None
-    names = [n for n in firsts[0] if all(n in i and (i[n][2] == firsts[0][n][2] or not same_size) for i in firsts)]
-    return {n: {"std": [min(i[n][0] for i in firsts), max(i[n][0] for i in firsts)],
-                "mean": [min(i[n][1] for i in firsts), max(i[n][1] for i in firsts)],
-                "numel": min(i[n][2] for i in firsts)} for n in names}
+    names = [n for n in inits[0] if all(n in i and i[n][2] == inits[0][n][2] for i in inits)]
+    return {n: {"std": [min(i[n][0] for i in inits), max(i[n][0] for i in inits)],
+                "mean": [min(i[n][1] for i in inits), max(i[n][1] for i in inits)], "numel": inits[0][n][2]}
+            for n in names}
 
 
 def _history(run) -> list[StepRecord]:

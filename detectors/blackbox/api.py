@@ -66,7 +66,6 @@ class StepRecord:
     sampled: bool = True  # a step the sampled measurements (the gradient norms) and checks looked at
     updates: list[float | None] | None = None  # per param group, on sampled steps: ||w_after - w_before|| / ||w||
     init: dict | None = None  # on the first record of a fresh watch only: WatchContext.initial (the weights as found)
-    activations: dict | None = None  # ... and its first training forward's module outputs (WatchContext.activations)
 
 
 class StepHistory:
@@ -144,8 +143,6 @@ class WatchContext:
         self.previous: WatchContext | None = None  # the watch of the run's segment before a resume, if given
         self.saved_states: dict[int, dict] = {}  # step -> what detectors recorded as a checkpoint was saved there
         self.initial: dict | None = None  # a fresh watch's model as found at its start (``initial_values``)
-        # ... and its first training forward: {module: [std, mean, numel] of its output} in the order they ran
-        self.activations: dict | None = None
         self.batches_seen: dict[int, int] = {}  # training batch hash -> the step it was trained at (MAX_ROWS at most)
         self.train_rows: set[int] = set()  # hashes of the training rows seen (at most MAX_ROWS)
         self.probing = False  # the watch ignores the model's calls made inside ``probe``
@@ -205,7 +202,7 @@ class WatchContext:
                 return name.rpartition(".")[0] or name
         return "?"
 
-    MAX_ROWS = 200_000  # bounds train_rows and batches_seen: a few MB however long the run
+    MAX_ROWS = 200_000  # bounds train_rows and batches_seen (~30 MB at most, however long the run)
 
     def group_config(self) -> list[dict]:
         """The optimizer's param groups as configured: per group the number of parameters and of their elements,
