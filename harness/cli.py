@@ -55,6 +55,7 @@ def _at_most(most: int):
     return parse
 
 
+TRAIN_TIMEOUT_S = 3600.0  # train --world-size N: how long a hung rank may take
 MAX_SEED = 2**32 - 1  # what every generator a run seeds accepts (numpy's is the narrowest)
 
 
@@ -134,7 +135,8 @@ def _train(args) -> int:
         from faultbench.harness.launch import RankPool
 
         with RankPool(world, start_method="spawn") as pool:  # one case: a pool would not be reused
-            summary = pool.run(train_on_rank, cfg.to_dict(), {**common, "log": True}, timeout_s=args.timeout or 3600)[0]
+            summary = pool.run(train_on_rank, cfg.to_dict(), {**common, "log": True},
+                               timeout_s=args.timeout or TRAIN_TIMEOUT_S)[0]
     else:
         summary = train_reference(cfg, log=log, **common)
 
@@ -446,8 +448,8 @@ def _mutate(args) -> int:
     out = Path(args.out) if args.out else None
     if args.admit:
         path = check_output(out or mutants.admitted_path(), "--out", force=args.force)
-        doc = mutants.admit(args.target, per_cell=args.per_cell or 4, jobs=args.jobs or 2, limit=args.sample,
-                            progress=not args.json)
+        given = {k: v for k, v in (("per_cell", args.per_cell), ("jobs", args.jobs)) if v is not None}
+        doc = mutants.admit(args.target, **given, limit=args.sample, progress=not args.json)
         mutants.write(doc, path)
         print(f"{len(doc['mutants'])} mutants admitted in {doc['wall_s']:.0f}s: written to {path}",
               file=sys.stderr if args.json else sys.stdout)
@@ -561,7 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--world-size", type=_positive_int, default=1,
                        help="data-parallel ranks (gloo on CPU); under torchrun its WORLD_SIZE wins")
     train.add_argument("--zero", action="store_true", help="shard optimizer state across ranks (ZeRO)")
-    train.add_argument("--timeout", type=_positive_float, help="seconds before a hung rank is killed (default 3600)")
+    train.add_argument("--timeout", type=_positive_float,
+                       help=f"seconds before a hung rank is killed (default {TRAIN_TIMEOUT_S:.0f})")
     train.add_argument("--threads", type=_at_most(MAX_JOBS), default=1,
                        help="torch threads (small models run fastest on 1)")
     train.add_argument("--log-every", type=_at_most(MAX_STEPS), default=50)
