@@ -5,6 +5,9 @@
         ...  # the training loop, unchanged
     w.findings  # Finding objects; w.to_json(); the readable report is printed at exit
 
+    with faultbench.guard():  # around the whole program: a crash before the watch is located too
+        main()
+
 Names load lazily: importing faultbench costs nothing until one is used.
 """
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"watch": "faultbench.watch", "Watch": "faultbench.watch", "record_golden": "faultbench.watch",
-            "load_golden": "faultbench.watch", "Finding": "faultbench.detectors.api"}
+            "load_golden": "faultbench.watch", "Finding": "faultbench.detectors.api", "guard": "faultbench.guard"}
 __all__ = sorted(_EXPORTS)
 
 

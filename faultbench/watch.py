@@ -36,8 +36,6 @@ import json
 import math
 import sys
 import time
-import traceback
-import types
 from pathlib import Path
 
 import torch
@@ -54,6 +52,7 @@ from faultbench.detectors.blackbox.batches import (
 from faultbench.detectors.blackbox.conventions import Conventions
 from faultbench.detectors.blackbox.gradients import implied_loss as implied_loss_of
 from faultbench.detectors.blackbox.optimizer_numerics import WeightSampler, stepped_groups
+from faultbench.guard import callable_module, crash_of, watched_crash
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -315,8 +314,10 @@ class Watch:
             self._fire("on_crash", self.ctx, self._crash_of(exc))
 
     def _crash_of(self, exc: BaseException) -> dict:
-        """``on_crash``'s record of ``exc``: its type, message and frames, and the phase it interrupted."""
-        return {**_crash(exc), "phase": self.ctx.phase}
+        """``on_crash``'s record of ``exc``: its type, message, frames and code place (``faultbench.guard.crash_of``),
+        and the phase it interrupted; a guard around the watch leaves it to the watch."""
+        watched_crash(exc)
+        return {**crash_of(exc), "phase": self.ctx.phase}
 
     def stop_watching_evaluations(self) -> None:
         for handle in self._eval_handles:
@@ -601,12 +602,6 @@ def _instantiate(detectors) -> list[BlackBoxDetector]:
     return [registry[d]() for d in ids]
 
 
-def _crash(exc: BaseException) -> dict:
-    frames = traceback.extract_tb(exc.__traceback__)
-    return {"type": type(exc).__name__, "message": str(exc),
-            "frames": [(f.filename, f.lineno, f.name) for f in frames]}
-
-
 def watch(model, optimizer, **kwargs) -> Watch:
     """Watch a training loop: ``with watch(model, optimizer, scheduler=, scaler=, tokenizer=, golden=,
     detectors="black-box", rank=, world_size=, report=True, out=None, declare=None) as w: ...``. See ``Watch``;
@@ -711,11 +706,4 @@ def load_golden(golden) -> dict | None:
     return json.loads(Path(golden).read_text())
 
 
-class _CallableModule(types.ModuleType):
-    """``faultbench.watch`` names this module once it is imported as a submodule: calling it calls ``watch``."""
-
-    def __call__(self, *args, **kwargs) -> Watch:
-        return watch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+callable_module(__name__, watch)

@@ -467,6 +467,8 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
     finally:
         for h in handles:
             h.remove()
+        if watched is not None:
+            watched.close()
     if ctx.run is not None:
         out["outputs"].update(final_state(ctx.run))
     out["wall_s"] = time.perf_counter() - start
@@ -483,11 +485,11 @@ def _watch(watched: Watched | None, suite: Suite, run) -> None:
 
 
 def suite_into(out: dict, suite: Suite | None, watched: Watched | None) -> dict:
-    """``out`` with what the case's detectors saw, both tracks (nothing when the run could not even be built)."""
-    if suite is None:
-        return out
-    out.update(findings=[f.to_dict() for f in suite.findings()], detector_errors=suite.errors,
-               step_seconds=suite.step_seconds, other_seconds=suite.other_seconds, summaries=suite.summaries())
+    """``out`` with what the case's detectors saw, both tracks (of a run that could not even be built, what the
+    black-box track's guard located)."""
+    if suite is not None:
+        out.update(findings=[f.to_dict() for f in suite.findings()], detector_errors=suite.errors,
+                   step_seconds=suite.step_seconds, other_seconds=suite.other_seconds, summaries=suite.summaries())
     if watched is not None:
         watched.merge_into(out)
     return out

@@ -34,6 +34,10 @@ class Watched:
         self.golden = envelope(golden)
         self.declare = declare  # what the target's user would declare about the loop (faultbench.watch's declare=)
         self.watches: list = []
+        # around the whole case, as a user wraps their program: a crash before the first watch is located too
+        from faultbench.guard import Guard
+
+        self.guard = Guard(report=False).__enter__()
 
     @property
     def current(self):
@@ -80,16 +84,24 @@ class Watched:
 
     def finish(self, exc: BaseException | None = None) -> None:
         """End the attached watch, if any: normally, or with the run's exception (its detectors' ``on_crash``); with
-        none attached, the exception of an evaluation after training goes to the last watch (``Watch.crashed``)."""
+        none attached, the exception of an evaluation after training goes to the last watch (``Watch.crashed``),
+        and one raised before any watch to the guard."""
         if self.current is not None:
             self.current.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         elif exc is not None and self.watches:  # an evaluation after training, still watched, raised
             self.watches[-1].crashed(exc)
+        elif isinstance(exc, Exception):
+            self.guard.crashed(exc)
+
+    def close(self) -> None:
+        """The case is over: the guard's hook is removed (a finished watch has removed its own)."""
+        self.guard.close()
 
     def merge_into(self, out: dict) -> None:
         """Add the black-box findings, errors, not-applicable reasons and hook times to a case record."""
         findings = [_with_class(f.to_dict(), modules) for w in self.watches
                     for modules in [dict(w.ctx.model.named_modules())] for f in w.findings]
+        findings += [_with_class(f.to_dict(), {}) for f in self.guard.findings]
         out["findings"] = sorted(out["findings"] + findings, key=rank_key)
         for w in self.watches:
             for det, error in w.errors.items():

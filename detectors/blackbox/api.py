@@ -313,6 +313,7 @@ class BlackBoxDetector(Detector):
                                             ``ctx.previous``)
       on_end(ctx)                           the watch exited normally
       on_crash(ctx, crash)                  the with-block raised: {type, message, frames: [(file, line, func)],
+                                            code: the place to act on (``faultbench.guard.crash_of``),
                                             phase: ``WatchContext.phase`` when it raised}
     Raise ``NotApplicable`` (detectors.api) from a hook when the loop breaks the detector's assumption: the
     watch says so once in its report and calls the detector no more.

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from faultbench.detectors.api import register
+from faultbench.detectors.api import Finding, _jsonable, register
 from faultbench.detectors.blackbox.api import BlackBoxDetector, WatchContext
 from faultbench.detectors.blackbox.probes import raised_in
 
@@ -116,15 +116,15 @@ class CrashSite(BlackBoxDetector):
             self._longest = max(self._longest, ids.shape[-1])
 
     def on_crash(self, ctx: WatchContext, crash: dict) -> None:
-        what = f"the run crashed ({crash['type']}: {crash['message'][:160]})"
+        what = f"the run crashed ({crash['type']}: {crash['message'][:160]}{_at(crash.get('code'))})"
         frames = crash.get("frames") or []
         phase = crash.get("phase")
         for locate in (self._batch, self._library, self._forward, self._component, self._phase):
             found = locate(ctx, frames, phase)
             if found is not None:
                 subsystem, where, why, evidence, confidence = found
-                self.report(ctx, subsystem, where, f"{what} {why}", {"phase": phase, **evidence},
-                            confidence=confidence)
+                self.report(ctx, subsystem, where, f"{what} {why}",
+                            {"phase": phase, "code": crash.get("code"), **evidence}, confidence=confidence)
                 return
 
     # -- each returns (subsystem, where, why, evidence, confidence) or None
@@ -210,6 +210,42 @@ class CrashSite(BlackBoxDetector):
             return None
         subsystem, where, during = PHASES[phase]
         return (subsystem, where, f"while {during}", {}, 0.35)
+
+
+def unwatched_crash(crash: dict) -> Finding:
+    """A crash no watch saw (``faultbench.guard``: the program raised before its loop was watched), located by the
+    library component that raised it, else by what the program had built: inside a method of a torch module (the
+    model being built or initialized), before any module registered a parameter (the data: corpus, tokenizer,
+    datasets), else after the model and before training (what surrounds the model: the optimizer first).
+    ``crash``: ``faultbench.guard.crash_of`` plus "parameters" (registered before it raised)."""
+    frames, code = crash.get("frames") or [], crash.get("code")
+    site = CrashSite()
+    found = site._library(None, frames, None) or site._component(None, frames, None)
+    if found is None:
+        if code is not None and code["method_of_module"]:
+            found = ("model", "", "inside a method of a torch module: the model was being built or initialized",
+                     {}, 0.4)
+        elif not crash.get("parameters"):
+            found = ("data", "", "before any module had registered a parameter: the program was preparing its "
+                     "data (the corpus, the tokenizer, the datasets)", {}, 0.4)
+        else:
+            found = ("optimizer", "", "after the model's parameters were registered and before its training loop "
+                     "was watched: the program was building what surrounds the model (the optimizer and its "
+                     "schedule, the loss scaler, the ranks)", {}, 0.3)
+    subsystem, where, why, evidence, confidence = found
+    message = (f"the program crashed before its training loop was watched ({crash['type']}: "
+               f"{crash['message'][:160]}{_at(code)}) {why}")
+    return Finding(site.id, 0, subsystem, None, message, _jsonable(
+        {"phase": "unwatched", "code": code, "parameters": crash.get("parameters"), **evidence}), confidence,
+        where or (code or {}).get("qualname"))
+
+
+def _at(code: dict | None) -> str:
+    """" at pkg.mod.fn (file:line)", saying whose code that is."""
+    if code is None:
+        return ""
+    whose = f", in {code['library']}, not your code" if code["library"] else ""
+    return f" at {code['qualname']} ({code['file'].rsplit('/', 1)[-1]}:{code['line']}{whose})"
 
 
 class _Replay:

@@ -111,6 +111,9 @@ def _run(recipe, seed: int, detectors: tuple, golden, rank: int, workdir: Path) 
             suite.fire("on_crash", out["crash"])
         if watched is not None:
             watched.finish(exc)
+    finally:
+        if watched is not None:
+            watched.close()
     if ctx.run is not None:
         out["outputs"].update(final_state(ctx.run))
     out["wall_s"] = time.perf_counter() - start

@@ -63,3 +63,37 @@ def test_golden_runs_record_what_a_watch_saw_and_hand_it_to_the_black_box_track_
     golden = envelope({"runs": [trace, trace]})
     assert golden["runs"] == 2 and len(golden["steps"]) == len(history)
     assert envelope({"runs": [{"loss": []}]}) is None and envelope(None) is None
+
+
+SETUP_CRASH = '''
+from faultbench.faults.registry import Manifest, fault
+
+
+@fault(
+    "plugin_corpus_config_crash",
+    seam="model.data.load_corpus",
+    title="A plugin fault: loading the corpus raises before any model exists",
+    subsystem="data",
+    trigger="always",
+    symptoms=("crash-state",),
+    explanation="load_corpus reads a field the config does not have.",
+    fix="Read the config's own fields.",
+    references=("Karpathy, A Recipe for Training Neural Networks: become one with the data",),
+    manifest=Manifest(check="crash", steps=4, params={"types": ("AttributeError",)}),
+)
+def load_corpus(cfg):
+    """The corpus of ``cfg``."""
+    return cfg.documents
+'''
+
+
+def test_a_crash_before_the_loop_is_watched_is_located_by_the_guard_and_its_code_place_scored_as_a_seam(tmp_path):
+    plugin = tmp_path / "setup_crash.py"
+    plugin.write_text(SETUP_CRASH)
+    ids = tuple(suite_ids() + black_box_suite_ids())
+    record = execute(Case("fp32", 0, ("plugin_corpus_config_crash",), ids, plugins=(str(plugin),)))
+    assert record["crash"]["type"] == "AttributeError"
+    black = [f for f in record["findings"] if f["detector"] in black_box_suite_ids()]
+    assert [(f["detector"], f["subsystem"]) for f in black] == [("bb_crash_site", "data")]
+    assert black[0]["evidence"]["code"]["qualname"] == "faultbench.model.data.load_corpus"
+    assert seam_of({**black[0], "seam": None}, {"model.data.load_corpus": "data"}) == "model.data.load_corpus"

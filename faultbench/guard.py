@@ -1,0 +1,133 @@
+"""``faultbench.guard``: a crash of a training program located even when no watch was on yet.
+
+    import faultbench
+    with faultbench.guard():
+        corpus, model, optimizer = build()          # a crash here: no watch has seen the run
+        with faultbench.watch(model, optimizer):    # a crash here: the watch locates it, the guard stays quiet
+            ...
+
+A program crashes as often while it builds its data, model and optimizer as while it trains. The traceback says
+where it raised; the guard adds what a user needs to act on it: the place in code (``module.qualname``, file and
+line: the innermost frame that is neither Python's, torch's nor numpy's), whether that place is the user's code or
+a library's (with its version), and what the program had built when it crashed (the subsystem it was in). It
+watches one thing while on: how many parameters modules have registered (torch's global registration hook), so a
+crash before any model is told from one after it. Nothing is monkeypatched; the hook is removed on exit, and the
+user's exception always propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import traceback
+import types
+
+import torch
+
+# top-level packages whose frames are the machinery a crash passes through, never the place to act on
+_MACHINERY = frozenset({"torch", "numpy", "runpy", "importlib", "_pytest", "pytest", "pluggy"})
+_OWN = ("faultbench.guard", "faultbench.watch", "faultbench.hf", "faultbench.detectors")
+
+_active: list[Guard] = []
+
+
+def code_place(frame, line: int) -> dict:
+    """Where ``frame`` runs, in a user's terms: {"qualname": "pkg.module.Class.method", "file", "line",
+    "library": "transformers 5.0.0" for an installed package's code (None for the user's own), "method_of_module":
+    the function is a method of a torch module (its ``self`` is an ``nn.Module``)}."""
+    module = frame.f_globals.get("__name__", "?")
+    path = frame.f_code.co_filename.replace("\\", "/")
+    library = None
+    if "/site-packages/" in path or "/dist-packages/" in path:
+        top = module.split(".")[0]
+        try:
+            library = f"{top} {importlib.metadata.version(top)}"
+        except importlib.metadata.PackageNotFoundError:
+            library = top
+    return {"qualname": f"{module}.{frame.f_code.co_qualname}", "file": path, "line": line, "library": library,
+            "method_of_module": isinstance(frame.f_locals.get("self"), torch.nn.Module)}
+
+
+def _is_machinery(frame) -> bool:
+    module = frame.f_globals.get("__name__", "")
+    top = module.split(".")[0]
+    return top in _MACHINERY or top in sys.stdlib_module_names or module.startswith(_OWN)
+
+
+def crash_of(exc: BaseException) -> dict:
+    """A crash as data: {type, message, frames: [(file, line, function)] innermost last, code: the place to act on
+    (``code_place`` of the innermost frame that is not machinery; None if every frame is)}."""
+    walked = list(traceback.walk_tb(exc.__traceback__))
+    code = next((code_place(f, line) for f, line in reversed(walked) if not _is_machinery(f)), None)
+    frames = traceback.extract_tb(exc.__traceback__)
+    return {"type": type(exc).__name__, "message": str(exc), "frames": [(f.filename, f.lineno, f.name) for f in frames],
+            "code": code}
+
+
+def watched_crash(exc: BaseException) -> None:
+    """A watch located ``exc`` (its ``on_crash`` ran): the guards around it leave it alone."""
+    for guard in _active:
+        guard.handled.add(id(exc))
+
+
+class Guard:
+    """See the module docstring. ``report``: print the findings to stderr when a crash is located. ``findings``:
+    what it located (``Finding`` objects of the detector ``bb_crash_site``)."""
+
+    def __init__(self, report: bool = True):
+        self.print_report = report
+        self.findings: list = []
+        self.parameters = 0  # parameters registered by any module since the guard was entered
+        self.handled: set[int] = set()
+        self._handle = None
+
+    def __enter__(self) -> Guard:
+        if self._handle is not None:
+            raise RuntimeError("faultbench.guard: this guard is already on (one `with` at a time)")
+        self._handle = torch.nn.modules.module.register_module_parameter_registration_hook(self._registered)
+        _active.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close()
+        if isinstance(exc, Exception):
+            self.crashed(exc)
+        return False  # the user's exception propagates unchanged
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            _active.remove(self)
+
+    def crashed(self, exc: Exception) -> None:
+        """Locate ``exc`` unless a watch did."""
+        if id(exc) in self.handled:
+            return
+        from faultbench.detectors.blackbox.crashes import unwatched_crash
+
+        self.findings.append(unwatched_crash({**crash_of(exc), "parameters": self.parameters}))
+        if self.print_report:
+            finding = self.findings[-1]
+            print(f"faultbench.guard: [{finding.subsystem}] {finding.message}", file=sys.stderr)
+
+    def _registered(self, module, name, param):
+        self.parameters += 1
+
+
+def guard(report: bool = True) -> Guard:
+    """``with faultbench.guard(): main()``: see ``Guard``."""
+    return Guard(report=report)
+
+
+def callable_module(name: str, function) -> None:
+    """Module ``name`` (``faultbench.watch``, ``faultbench.guard``) called calls ``function``: the package's
+    attribute of that name is the module once the module is imported as a submodule."""
+    class _CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return function(*args, **kwargs)
+
+    sys.modules[name].__class__ = _CallableModule
+
+
+callable_module(__name__, guard)
