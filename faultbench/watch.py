@@ -235,11 +235,22 @@ class Watch:
         lines = [f"faultbench.watch: {len(findings) or 'no'} finding{'s' * (len(findings) != 1)} "
                  f"over {self.ctx.step} optimizer steps"]
         for i, f in enumerate(findings, 1):
-            lines.append(f"{i:>2}. [{f.subsystem}] {f.where} (step {f.step}, {f.detector}, "
+            # "found at": the steps the loop had taken when the detector concluded; a message may quote the step
+            # its evidence began at
+            lines.append(f"{i:>2}. [{f.subsystem}] {f.where} (found at step {f.step}, {f.detector}, "
                          f"confidence {f.confidence:.2f}): {f.message}")
-        lines += [f"not applicable: {d}: {why}" for d, why in self.not_applicable.items()]
+        lines += _not_applicable_lines(self.not_applicable)
         lines += [f"detector error: {d}: {err}" for d, err in self.errors.items()]
         return "\n".join(lines)
+
+    def start(self) -> Watch:
+        """The ``with`` block's entry, for a loop that is not one block: ``w = watch(...).start()``, then
+        ``w.stop()`` (in a ``finally``, passing the loop's exception if it raised)."""
+        return self.__enter__()
+
+    def stop(self, exc: BaseException | None = None) -> None:
+        """The ``with`` block's exit: normally, or with the loop's exception ``exc`` (located, never raised here)."""
+        self.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc is not None else None)
 
     # ---- the context manager
     def __enter__(self) -> Watch:
@@ -600,6 +611,21 @@ def _instantiate(detectors) -> list[BlackBoxDetector]:
     if unknown:
         raise ValueError(f"not black-box detectors: {', '.join(unknown)} (known: {', '.join(black_box_ids())})")
     return [registry[d]() for d in ids]
+
+
+def _not_applicable_lines(reasons: dict[str, str], width: int = 110) -> list[str]:
+    """The not-applicable checks in a few lines: one per reason, its checks listed (each reason cut to ``width``;
+    ``Watch.not_applicable`` keeps them whole)."""
+    by_reason: dict[str, list[str]] = {}
+    for detector, why in reasons.items():
+        by_reason.setdefault(why, []).append(detector)
+    if not by_reason:
+        return []
+    lines = [f"not applicable: {len(reasons)} check{'s' * (len(reasons) != 1)} (w.not_applicable says each why)"]
+    for why, detectors in by_reason.items():
+        short = why if len(why) <= width else why[: width - 3] + "..."
+        lines.append(f"  {', '.join(detectors)}: {short}")
+    return lines
 
 
 def watch(model, optimizer, **kwargs) -> Watch:

@@ -164,7 +164,7 @@ def test_not_applicable_is_said_once_and_a_detector_error_never_breaks_the_loop(
     assert [f.detector for f in w.findings] == ["test_spy"]  # neither is a finding
     printed = capsys.readouterr().err
     assert printed.strip() == w.report()
-    assert printed.count("not applicable: test_excused: the loop is not what I assume") == 1
+    assert printed.count("test_excused: the loop is not what I assume") == 1
     assert "detector error: test_broken" in printed and "1 finding over 2 optimizer steps" in printed
 
 
@@ -283,3 +283,63 @@ def test_a_failing_out_write_never_replaces_the_loops_exception(tmp_path, capsys
     with pytest.raises(KeyError, match="the loop's own"), w:
         raise KeyError("the loop's own")
     assert "could not write out=" in capsys.readouterr().err
+
+
+def test_not_applicable_checks_are_summed_up_one_line_per_reason(spies, monkeypatch):
+    class AlsoExcused(Excused):
+        id = "test_also_excused"
+
+    class ExcusedLongly(Excused):
+        id = "test_excused_longly"
+
+        def on_forward(self, ctx, batch, logits, loss):
+            raise NotApplicable("a reason of many words " * 20)
+
+    for cls in (AlsoExcused, ExcusedLongly):
+        monkeypatch.setitem(DETECTORS, cls.id, cls)
+    w, _, _ = loop({"detectors": ["test_excused", "test_also_excused", "test_excused_longly"]}, steps=1)
+    lines = w.report().splitlines()[1:]
+    assert lines[0] == "not applicable: 3 checks (w.not_applicable says each why)"
+    assert lines[1] == "  test_excused, test_also_excused: the loop is not what I assume"
+    assert lines[2].startswith("  test_excused_longly: a reason of many words") and lines[2].endswith("...")
+    assert len(lines) == 3 and len(w.not_applicable["test_excused_longly"]) > 400  # kept whole
+
+
+def test_start_and_stop_watch_a_loop_that_is_not_one_block_as_the_with_block_does():
+    def run(form):
+        torch.manual_seed(0)
+        model, optimizer, _ = build(TrainConfig())
+        w = faultbench.watch(model, optimizer, report=False)
+        if form == "with":
+            with w:
+                _steps_without_zero_grad(model, optimizer)
+        else:
+            w.start()
+            assert w.attached
+            try:
+                _steps_without_zero_grad(model, optimizer)
+            finally:
+                w.stop()
+        assert not w.attached and hook_counts(model, optimizer) == (0, 0, 0, 0, 0, 0)
+        return [(f.detector, f.subsystem, f.step) for f in w.findings]
+
+    found = run("start/stop")
+    assert found == run("with") and ("bb_grads_cleared", "optimizer", 3) in found  # found at the 3rd step
+
+
+def test_stop_with_the_loops_exception_locates_it_and_does_not_raise():
+    model, optimizer, _ = build(TrainConfig())
+    w = faultbench.watch(model, optimizer, report=False).start()
+    try:
+        raise IndexError("index 70 is out of bounds")
+    except IndexError as e:
+        w.stop(e)
+    assert not w.attached and [f.detector for f in w.findings] == ["bb_crash_site"]
+
+
+def _steps_without_zero_grad(model, optimizer, steps: int = 3):
+    for _ in range(steps):
+        x, y = get_batch("train", 4, 16)
+        _, loss = model(x, targets=y)
+        loss.backward()
+        optimizer.step()
