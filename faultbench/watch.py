@@ -31,6 +31,7 @@ against the evaluation forwards' own next-token NLL).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -193,6 +194,7 @@ class Watch:
         self._fired_s = 0.0
         self._firing = 0  # detectors running now: what they do to the model (a state_dict copy) is not the loop's
         self._saved_at: int | None = None  # the step of the last checkpoint save seen (``on_save`` once per step)
+        self._crashed = False  # the loop raised out of the watched block
 
     # ---- public
     @property
@@ -223,8 +225,12 @@ class Watch:
             self._fire("on_grad_norm", self.ctx, _scalar(grad_norm))
 
     def to_dict(self) -> dict:
+        """The report as data, and what a golden is made of: the step records kept ("history", the last
+        ``StepHistory.LIMIT``), how many were taken ("recorded"), and whether the loop raised ("crashed")."""
         return {"steps": self.ctx.step, "findings": [f.to_dict() for f in self.findings],
-                "not_applicable": dict(self.not_applicable), "errors": dict(self.errors)}
+                "not_applicable": dict(self.not_applicable), "errors": dict(self.errors),
+                "history": [dataclasses.asdict(r) for r in self.ctx.history],
+                "recorded": self.ctx.history.recorded, "crashed": self._crashed}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -264,6 +270,7 @@ class Watch:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._crashed = exc is not None
         try:
             if exc is None:
                 self._guard(self._track_scale)()  # a skip at the last step shows only in the scale after it
@@ -716,13 +723,48 @@ def _init_spans(histories: list[list[StepRecord]]) -> dict | None:
 
 
 def _history(run) -> list[StepRecord]:
-    """A run's step records: a Watch's history, or a recorded history (StepRecords or their dicts)."""
+    """A run's step records: a Watch's history, a saved watch's (``Watch.to_dict``, the ``out=`` JSON), or a
+    recorded history (StepRecords or their dicts)."""
     if isinstance(run, Watch) and run.ctx.history.dropped:
         kept = run.ctx.history
         raise ValueError(f"record_golden needs a run's every step: this watch kept the last {len(kept)} of its "
                          f"{kept.recorded} step records (a golden run is a short one)")
+    if isinstance(run, dict):
+        return _saved_history(run)
     history = run.ctx.history if isinstance(run, Watch) else list(run)
     return [StepRecord(**r) if isinstance(r, dict) else r for r in history]
+
+
+def _saved_history(saved: dict) -> list[StepRecord]:
+    """The step records of a saved watch, refused (ValueError, one line) where it is no known-good run's."""
+    history = saved.get("history")
+    if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+        raise ValueError("holds no step history (a watch's out= JSON from before history was saved, or another file)")
+    if saved.get("crashed"):
+        raise ValueError("is a run that crashed: a golden is made of known-good runs")
+    if saved.get("recorded", len(history)) != len(history):
+        raise ValueError(f"kept the last {len(history)} of its {saved['recorded']} step records: a golden run is a "
+                         "short one")
+    fields = {f.name for f in dataclasses.fields(StepRecord)}
+    try:
+        return [StepRecord(**{k: v for k, v in r.items() if k in fields}) for r in history]
+    except TypeError as e:  # a record without a field StepRecord requires
+        raise ValueError(f"holds a step record StepRecord cannot read ({e})") from None
+
+
+def golden_from_files(paths, out=None) -> dict:
+    """``record_golden`` of watches saved with ``out=`` (``faultbench golden RUN.json ... --out golden.json``); a
+    file that is missing, not JSON, or no known-good run is refused in one line naming it."""
+    runs = []
+    for path in paths:
+        try:
+            saved = json.loads(Path(path).read_text())
+            if not isinstance(saved, dict):
+                raise ValueError("is not a watch's out= JSON (an object)")
+            runs.append(_saved_history(saved))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return record_golden(runs, out)
 
 
 def load_golden(golden) -> dict | None:

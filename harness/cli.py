@@ -430,6 +430,18 @@ def _bench(args) -> int:
     return 0
 
 
+def _golden_record(args) -> int:
+    from faultbench.harness.atomic import check_output, write_text
+    from faultbench.watch import golden_from_files
+
+    out = check_output(args.out, "--out", force=args.force)
+    golden = golden_from_files(args.runs)
+    write_text(out, json.dumps(golden, indent=1))
+    print(f"{out}: the envelope of {golden['runs']} known-good run{'s' * (golden['runs'] != 1)} over "
+          f"{len(golden['steps'])} steps")
+    return 0
+
+
 def _contracts(args) -> int:
     from faultbench.detectors import contracts
 
@@ -660,6 +672,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write a repro bundle for every case where a detector fires (runs every case anew)")
     bench.add_argument("--json", action="store_true", help="table on stderr; last stdout line is summary.json")
     bench.set_defaults(func=_bench)
+
+    gold = sub.add_parser("golden", help="golden envelopes of your own loop, from its known-good runs")
+    gold_sub = gold.add_subparsers(dest="golden_command", required=True)
+    record = gold_sub.add_parser("record", help="a golden from watches saved with faultbench.watch(..., out=RUN.json)")
+    record.add_argument("runs", nargs="+", metavar="RUN.json", help="known-good runs, each a watch's out= file")
+    record.add_argument("--out", required=True, help="the golden's file, for faultbench.watch(..., golden=FILE)")
+    record.add_argument("--force", action="store_true", help="replace an existing --out file")
+    record.set_defaults(func=_golden_record)
 
     con = sub.add_parser("contracts", help="the contract catalogue: what every correct causal-LM run keeps, per "
                                            "component and kind, with the detectors that check each and the coverage")

@@ -13,7 +13,7 @@ from faultbench.harness.cli import main
 SUBCOMMANDS = ("train", "seams", "faults", "show", "run", "replay", "plugins", "detectors", "bench", "contracts",
                "mutate", "practice new", "practice export", "practice hint", "practice check", "practice reveal",
                "practice status", "practice report", "practice start", "practice history", "practice answer",
-               "practice rubric")
+               "practice rubric", "golden record")
 COUNTS = ("0", "-1", "abc", "1.5", "", "1e3", "99999999999999999999")
 BAD_IDS = ("label_permut", "LABEL_PERMUTE", "no_such_fault", "", "../etc/passwd")
 
@@ -73,6 +73,12 @@ SWEEP += [(["practice", "history", "--keys", "committed.txt"], "")]
 SWEEP += [(["mutate", "--admit", "--out", o], "--out") for o in ("committed.txt", "missing/set.json", "w" * 300)]
 SWEEP += [(["mutate", "--out", "committed.txt"], "")]
 SWEEP += [(["mutate", "--target", "nope"], "")]
+SWEEP += [(["golden", "record", *runs, "--out", o], says) for runs, o, says in (
+    (["committed.txt"], "g.json", "committed.txt: "), (["missing.json"], "g.json", "missing.json: "),
+    (["dir"], "g.json", "dir: "), ([""], "g.json", ""), (["committed.txt"], "committed.txt", "--out"),
+    (["committed.txt"], "", "--out"), (["committed.txt"], "v" * 300, "--out"), (["committed.txt"], "dir", "--out"),
+    (["committed.txt"], "missing/g.json", "--out"), ([], "g.json", ""))]
+SWEEP += [(["golden", "record", "committed.txt"], "--out")]
 SWEEP += [([], "")]  # no subcommand
 SWEEP += [([*sub, "--seed", s], "--seed") for sub in (["train"], ["run", "--fault", "label_permute"],
                                                       ["practice", "new", "--dir", "EX"])
