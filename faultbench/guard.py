@@ -55,12 +55,14 @@ def _is_machinery(frame) -> bool:
 
 
 def crash_of(exc: BaseException) -> dict:
-    """A crash as data: {type, message, frames: [(file, line, function)] innermost last, code: the place to act on
-    (``code_place`` of the innermost frame that is not machinery; None if every frame is)}."""
+    """A crash as data: {type, message, frames: [(file, line, function)] innermost last, qualnames: each frame's
+    ``module.qualname``, code: the place to act on (``code_place`` of the innermost frame that is not machinery;
+    None if every frame is)}."""
     walked = list(traceback.walk_tb(exc.__traceback__))
     code = next((code_place(f, line) for f, line in reversed(walked) if not _is_machinery(f)), None)
     frames = traceback.extract_tb(exc.__traceback__)
     return {"type": type(exc).__name__, "message": str(exc), "frames": [(f.filename, f.lineno, f.name) for f in frames],
+            "qualnames": [f"{f.f_globals.get('__name__', '?')}.{f.f_code.co_qualname}" for f, _ in walked],
             "code": code}
 
 

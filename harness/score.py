@@ -88,12 +88,13 @@ def _seam_table(target: str) -> dict[str, str]:
 
 def seam_of(finding: dict, seams) -> str | None:
     """The finding's seam; for a black-box finding (no seam, a place in the user's terms) the first of these the
-    target's seam table (``seams``) has: the forward of the class of the module its ``where`` names, the function
-    its evidence names as the code place (a crash's: ``faultbench.guard.code_place``)."""
+    target's seam table (``seams``) has: the forward of the class of the module its ``where`` names, its ``where``
+    itself (a framework function's qualified name), the function its evidence names as the code place (a crash's:
+    ``faultbench.guard.code_place``)."""
     if finding.get("seam"):
         return finding["seam"]
     code = (finding.get("evidence") or {}).get("code")
-    for name in (finding.get("where_class") and finding["where_class"] + ".forward",
+    for name in (finding.get("where_class") and finding["where_class"] + ".forward", finding.get("where"),
                  isinstance(code, dict) and code.get("qualname")):
         if isinstance(name, str) and name.removeprefix("faultbench.") in seams:
             return name.removeprefix("faultbench.")

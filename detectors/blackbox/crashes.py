@@ -120,7 +120,8 @@ class CrashSite(BlackBoxDetector):
         frames = crash.get("frames") or []
         phase = crash.get("phase")
         for locate in (self._batch, self._library, self._forward, self._component, self._phase):
-            found = locate(ctx, frames, phase)
+            found = locate(ctx, frames, phase, crash.get("qualnames")) if locate == self._component else \
+                locate(ctx, frames, phase)
             if found is not None:
                 subsystem, where, why, evidence, confidence = found
                 self.report(ctx, subsystem, where, f"{what} {why}",
@@ -189,14 +190,16 @@ class CrashSite(BlackBoxDetector):
         return ("model", where, f"{module}; replayed on the crash's batch it raises again, with or without the "
                 "mask and positions and on half the length: the model's code", {"module": where}, 0.55)
 
-    def _component(self, ctx: WatchContext, frames: list, phase: str | None):
-        for frame in reversed(frames):  # innermost first
-            path, name = _path(frame), frame[2]
+    def _component(self, ctx: WatchContext, frames: list, phase: str | None, qualnames: list | None = None):
+        for i in reversed(range(len(frames))):  # innermost first
+            path, name = _path(frames[i]), frames[i][2]
             for site, subsystem, functions in COMPONENTS:
                 if site in path and (functions is None or name in functions):
                     module = path.split("site-packages/")[-1].removesuffix(".py").replace("/", ".")
-                    return (subsystem, f"{module}.{name}", f"in {module}.{name}, the framework's {subsystem} "
-                            "component, the innermost one running", {"frame": path, "function": name}, 0.45)
+                    known = qualnames and len(qualnames) == len(frames) and not qualnames[i].startswith("?.")
+                    qualname = qualnames[i] if known else f"{module}.{name}"
+                    return (subsystem, qualname, f"in {qualname}, the framework's {subsystem} component, the "
+                            "innermost one running", {"frame": path, "function": name}, 0.45)
         return None
 
     def _phase(self, ctx: WatchContext, frames: list, phase: str | None):
@@ -220,7 +223,7 @@ def unwatched_crash(crash: dict) -> Finding:
     ``crash``: ``faultbench.guard.crash_of`` plus "parameters" (registered before it raised)."""
     frames, code = crash.get("frames") or [], crash.get("code")
     site = CrashSite()
-    found = site._library(None, frames, None) or site._component(None, frames, None)
+    found = site._library(None, frames, None) or site._component(None, frames, None, crash.get("qualnames"))
     if found is None:
         if code is not None and code["method_of_module"]:
             found = ("model", "", "inside a method of a torch module: the model was being built or initialized",

@@ -49,6 +49,14 @@ def test_the_scorer_maps_a_module_path_to_its_class_forward_only_where_the_targe
     assert seam_of({**where, "where_class": "torch.nn.modules.linear.Linear"}, seams) is None
     assert seam_of({"seam": "model.rope.apply_rope", "where_class": None}, seams) == "model.rope.apply_rope"
     assert seam_of({"seam": None, "where": "optimizer", "where_class": None}, seams) is None
+    # a framework function's qualified name as the place (a crash's component), or a crash's code place
+    hf = {"transformers.trainer.Trainer.create_optimizer": "optimizer"}
+    assert seam_of({"seam": None, "where": "transformers.trainer.Trainer.create_optimizer"}, hf) == \
+        "transformers.trainer.Trainer.create_optimizer"
+    code = {"qualname": "transformers.trainer.Trainer.create_optimizer"}
+    assert seam_of({"seam": None, "where": "optimizer", "evidence": {"code": code}}, hf) == \
+        "transformers.trainer.Trainer.create_optimizer"
+    assert seam_of({"seam": None, "where": "optimizer", "evidence": {"code": None}}, hf) is None
 
 
 def test_golden_runs_record_what_a_watch_saw_and_hand_it_to_the_black_box_track_as_an_envelope():
