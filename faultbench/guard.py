@@ -17,7 +17,9 @@ user's exception always propagates unchanged.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import inspect
 import sys
 import traceback
 import types
@@ -35,8 +37,26 @@ def code_place(frame, line: int) -> dict:
     """Where ``frame`` runs, in a user's terms: {"qualname": "pkg.module.Class.method", "file", "line",
     "library": "transformers 5.0.0" for an installed package's code (None for the user's own), "method_of_module":
     the function is a method of a torch module (its ``self`` is an ``nn.Module``)}."""
-    module = frame.f_globals.get("__name__", "?")
-    path = frame.f_code.co_filename.replace("\\", "/")
+    place = _place(frame.f_code, frame.f_globals.get("__name__", "?"), line)
+    return {**place, "method_of_module": isinstance(frame.f_locals.get("self"), torch.nn.Module)}
+
+
+def object_place(obj) -> dict | None:
+    """Where ``obj`` is defined, as ``code_place`` says it (its first line): a function (a partial's, a bound
+    method's), a torch module's class ``forward``; None for what has no Python code (a builtin)."""
+    if isinstance(obj, functools.partial):
+        obj = obj.func
+    if isinstance(obj, torch.nn.Module):
+        obj = type(obj).forward
+    fn = inspect.unwrap(getattr(obj, "__func__", obj))
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return None
+    return {**_place(code, getattr(fn, "__module__", None) or "?", code.co_firstlineno), "method_of_module": False}
+
+
+def _place(code: types.CodeType, module: str, line: int) -> dict:
+    path = code.co_filename.replace("\\", "/")
     library = None
     if "/site-packages/" in path or "/dist-packages/" in path:
         top = module.split(".")[0]
@@ -44,8 +64,7 @@ def code_place(frame, line: int) -> dict:
             library = f"{top} {importlib.metadata.version(top)}"
         except importlib.metadata.PackageNotFoundError:
             library = top
-    return {"qualname": f"{module}.{frame.f_code.co_qualname}", "file": path, "line": line, "library": library,
-            "method_of_module": isinstance(frame.f_locals.get("self"), torch.nn.Module)}
+    return {"qualname": f"{module}.{code.co_qualname}", "file": path, "line": line, "library": library}
 
 
 def _is_machinery(frame) -> bool:

@@ -53,7 +53,7 @@ from faultbench.detectors.blackbox.batches import (
 from faultbench.detectors.blackbox.conventions import Conventions
 from faultbench.detectors.blackbox.gradients import implied_loss as implied_loss_of
 from faultbench.detectors.blackbox.optimizer_numerics import WeightSampler, stepped_groups
-from faultbench.guard import callable_module, crash_of, watched_crash
+from faultbench.guard import callable_module, crash_of, object_place, watched_crash
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -277,6 +277,7 @@ class Watch:
                 self._fire("on_end", self.ctx)
             else:
                 self._fire("on_crash", self.ctx, self._crash_of(exc))
+            self._guard(self._name_code)()
         finally:
             self._detach()
         if self.out is not None:
@@ -308,6 +309,17 @@ class Watch:
             self._grad_handles = {id(p): p.register_post_accumulate_grad_hook(self._guard(self._grad_accumulated))
                                   for p in self._trainable}
             self._handles += list(self._grad_handles.values())
+
+    def _name_code(self) -> None:
+        """Each finding whose place is an object of the loop gets that object's place in code (evidence "code",
+        ``faultbench.guard.object_place``): a module path its class's forward, "scheduler" its schedule function."""
+        modules = dict(self.ctx.model.named_modules())
+        lambdas = getattr(self.ctx.scheduler, "lr_lambdas", None) or [None]
+        for finding in (f for d in self.detectors for f in d.findings if f.evidence.get("code") is None):
+            obj = lambdas[0] if finding.where == "scheduler" else modules.get(finding.where or "\0")
+            place = object_place(obj) if obj is not None else None
+            if place is not None:
+                finding.evidence["code"] = place
 
     def _detach(self) -> None:
         for handle in self._handles:

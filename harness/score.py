@@ -96,8 +96,9 @@ def seam_of(finding: dict, seams) -> str | None:
     code = (finding.get("evidence") or {}).get("code")
     for name in (finding.get("where_class") and finding["where_class"] + ".forward", finding.get("where"),
                  isinstance(code, dict) and code.get("qualname")):
-        if isinstance(name, str) and name.removeprefix("faultbench.") in seams:
-            return name.removeprefix("faultbench.")
+        name = isinstance(name, str) and name.removeprefix("faultbench.").split(".<locals>")[0]  # a closure: its def
+        if name and name in seams:
+            return name
     return None
 
 

@@ -57,6 +57,9 @@ def test_the_scorer_maps_a_module_path_to_its_class_forward_only_where_the_targe
     assert seam_of({"seam": None, "where": "optimizer", "evidence": {"code": code}}, hf) == \
         "transformers.trainer.Trainer.create_optimizer"
     assert seam_of({"seam": None, "where": "optimizer", "evidence": {"code": None}}, hf) is None
+    closure = {"qualname": "faultbench.model.optim.make_scheduler.<locals>.<lambda>"}  # a schedule's lambda: its def
+    assert seam_of({"seam": None, "where": "scheduler", "evidence": {"code": closure}},
+                   {"model.optim.make_scheduler": "optimizer"}) == "model.optim.make_scheduler"
 
 
 def test_golden_runs_record_what_a_watch_saw_and_hand_it_to_the_black_box_track_as_an_envelope():

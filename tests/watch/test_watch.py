@@ -153,7 +153,11 @@ def test_findings_round_trip_through_json(spies, tmp_path):
     assert data == json.loads(w.to_json())
     assert data["steps"] == 1 and len(data["findings"]) == 1
     finding = Finding(**data["findings"][0])
-    assert finding == w.findings[0] and finding.where == "transformer.h.0" and finding.evidence == {"tensor": [1, 1]}
+    assert finding == w.findings[0] and finding.where == "transformer.h.0" and finding.evidence["tensor"] == [1, 1]
+    # the watch names the module's code: its class's forward, file and line (the user's code: no library)
+    code = finding.evidence["code"]
+    assert code["qualname"] == "tests.watch.nanogpt.Block.forward"
+    assert code["file"].endswith("tests/watch/nanogpt.py") and not code["library"]
 
 
 def test_not_applicable_is_said_once_and_a_detector_error_never_breaks_the_loop(spies, capsys):
@@ -343,3 +347,23 @@ def _steps_without_zero_grad(model, optimizer, steps: int = 3):
         _, loss = model(x, targets=y)
         loss.backward()
         optimizer.step()
+
+
+def _warmup(step):
+    return min(1.0, (step + 1) / 10)
+
+
+def test_a_finding_on_the_scheduler_names_its_schedule_function(spies, monkeypatch):
+    class SchedulerSpy(Spy):
+        id = "test_scheduler_spy"
+
+        def on_end(self, ctx):
+            self.report(ctx, "optimizer", "scheduler", "spy")
+
+    monkeypatch.setitem(DETECTORS, SchedulerSpy.id, SchedulerSpy)
+    model, optimizer, _ = build(TrainConfig())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup)
+    with faultbench.watch(model, optimizer, scheduler=schedule, detectors=["test_scheduler_spy"], report=False) as w:
+        _steps_without_zero_grad(model, optimizer, steps=1)
+    code = w.findings[0].evidence["code"]
+    assert code["qualname"] == f"{__name__}._warmup" and code["line"] == _warmup.__code__.co_firstlineno
