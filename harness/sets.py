@@ -1,10 +1,10 @@
 """The fault sets side by side: the registry, the unseen, blind and mutant sets, per target and track.
 
 Each set is scored by its own bench run into its own folder (``make bench`` -> results/, the unseen plugin ->
-results/unseen/, the blind plugins (benchmarks/blind/, blind2/, blind3/) -> results/blind/, results/blind2/,
-results/blind3/, ``bench --mutants`` -> results/mutants/); this reads their summary.json files and the bench rows
-of the mutant set, and renders one table (results/sets.md, and a section of the leaderboard) plus the mutant set's
-scores per operator and per subsystem (results/mutants/by_operator.md).
+results/unseen/, the blind plugins (benchmarks/blind/, blind2/, blind3/, blind4/) -> results/blind/, results/blind2/,
+results/blind3/, results/blind4/, ``bench --mutants`` -> results/mutants/); this reads their summary.json files and
+the bench rows of the mutant set, and renders one table (results/sets.md, and a section of the leaderboard) plus the
+mutant set's scores per operator and per subsystem (results/mutants/by_operator.md).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from faultbench.harness.report import _fmt
 from faultbench.harness.score import BLACKBOX, SUITE
 
 SETS = (("registry", "."), ("unseen", "unseen"), ("blind", "blind"), ("blind2", "blind2"),  # name, results/ folder
-        ("blind3", "blind3"), ("mutants", "mutants"))
+        ("blind3", "blind3"), ("blind4", "blind4"), ("mutants", "mutants"))
 METRICS = (("detection_rate", "detection"), ("top1_subsystem", "top-1 subsystem"), ("top1_seam", "top-1 seam"),
            ("false_positive_rate", "FP"))
 TRACKS = (("white-box", "suite"), ("black-box", "blackbox"))
@@ -90,9 +90,9 @@ def sets_section(out: Path, summary: dict) -> list[str]:
     if len({r["set"] for r in rows}) < 2:
         return []
     return ["", "## Fault sets side by side", "",
-            "The registry (this run), the unseen plugin (unseen/), the blind sets (blind/, blind2/, blind3/) and the "
-            "admitted mutant set (mutants/), each scored by its own bench run; the mutant set's per-operator scores "
-            "are in mutants/by_operator.md.", "", *sets_markdown(rows)]
+            "The registry (this run), the unseen plugin (unseen/), the blind sets (blind/, blind2/, blind3/, blind4/) "
+            "and the admitted mutant set (mutants/), each scored by its own bench run; the mutant set's per-operator "
+            "scores are in mutants/by_operator.md.", "", *sets_markdown(rows)]
 
 
 def write_sets(results: Path) -> Path:
@@ -100,11 +100,11 @@ def write_sets(results: Path) -> Path:
 
     lines = ["# The fault sets side by side", "",
              "Each set scored by its own bench run: the registry (`make bench`, results/), the unseen plugin "
-             "(examples/unseen_faults.py, results/unseen/), the blind sets (benchmarks/blind/, benchmarks/blind2/ and "
-             "benchmarks/blind3/, each written by someone who never read the detectors; results/blind/, "
-             "results/blind2/, results/blind3/) and the admitted mutant set (`make bench-mutants`, "
-             "results/mutants/). Detection and Top-1 are means over the cases where the fault showed; FP over each "
-             "run's clean matrix.", "", *sets_markdown(sets_rows(results))]
+             "(examples/unseen_faults.py, results/unseen/), the blind sets (benchmarks/blind/, benchmarks/blind2/, "
+             "benchmarks/blind3/ and benchmarks/blind4/, each written by someone who never read the detectors; "
+             "results/blind/, results/blind2/, results/blind3/, results/blind4/) and the admitted mutant set "
+             "(`make bench-mutants`, results/mutants/). Detection and Top-1 are means over the cases where the fault "
+             "showed; FP over each run's clean matrix.", "", *sets_markdown(sets_rows(results))]
     return write_text(results / "sets.md", "\n".join(lines) + "\n")
 
 
