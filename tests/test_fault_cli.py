@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from faultbench import targets
-from faultbench.faults.registry import all_faults
+from faultbench.faults.registry import BUILTIN_MODULES, all_faults
 from faultbench.harness.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,10 +120,10 @@ def test_pytest_fault_plugin_parametrizes_the_proofs_over_the_plugin_faults(tmp_
             "--fault-plugin", str(plugin)]
     proof = subprocess.run([*args, "-k", "plugin_lr_times_100"], capture_output=True, text=True, cwd=ROOT,
                            timeout=300)
-    assert proof.returncode == 0 and "1 passed" in proof.stdout, proof.stdout[-2000:]
-    collected = subprocess.run([*args, "--collect-only"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert "plugin_lr_times_100]" in collected.stdout  # the id may carry its target: [ref/plugin_lr_times_100]
-    assert "label_permute]" in collected.stdout  # the builtin faults still collected
+    # the plugin's proof ran and passed, and every builtin fault was still collected (deselected by -k)
+    builtin = {m for modules in BUILTIN_MODULES.values() for m in modules}
+    builtins = sum(all(fn.__module__ in builtin for fn in f.replacements.values()) for f in all_faults(None).values())
+    assert proof.returncode == 0 and f"1 passed, {builtins} deselected" in proof.stdout, proof.stdout[-2000:]
     broken = tmp_path / "broken.py"
     broken.write_text("def f(:\n")
     refused = subprocess.run([*args[:-1], str(broken), "--collect-only"], capture_output=True, text=True, cwd=ROOT,
