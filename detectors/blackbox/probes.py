@@ -296,7 +296,9 @@ class ProbeRound:
         self.pad_id = int(self.ids[0, 0]) if pad_id is None else int(pad_id)
         self.cut = self.ids.shape[1] // 2
         self.changed = self.ids.clone()  # tokens from ``cut`` on replaced: the causality probe's variant
-        self.changed[:, self.cut:] = other_tokens(self.ids[:, self.cut:], self.ids)
+        # replacements drawn from every real token of the batch: a row of one repeated token is still probed
+        pool = input_ids if attention_mask is None else input_ids[attention_mask.bool()]
+        self.changed[:, self.cut:] = other_tokens(self.ids[:, self.cut:], pool)
         self._results: dict[str, ProbeResult | None | NotApplicable] = {}
         self._plain: _Forward | None = None
         self._plain_rows: dict[str, int] = {}

@@ -383,3 +383,12 @@ def test_a_probe_silent_in_a_bf16_round_runs_again_at_the_end_an_fp32_one_does_n
     with injected("hf_causal_mask_off_by_one"):
         detector.on_end(ctx)
     assert [(f.step, f.subsystem) for f in detector.findings] == ([(16, "mask")] if dtype == torch.bfloat16 else [])
+
+
+def test_a_probe_row_of_one_repeated_token_is_changed_to_the_batchs_other_tokens():
+    x, _ = nano_batch(0)
+    x[0] = x[0, 0]  # the row a round probes (the first of the longest) holds a single distinct token
+    with torch.no_grad():
+        result = probes.causality(nano(0, ("not_causal",)), x)
+    assert result is not None and result.subsystem == "mask"  # not "not applicable"
+    assert run_probes(nano(0), x)["causality"] is None  # the clean model stays silent on it
