@@ -288,6 +288,8 @@ def test_a_crash_on_an_id_outside_the_vocabulary_is_a_data_finding():
     assert w.ctx.step == 3
     top = w.findings[0]
     assert (top.detector, top.subsystem, top.where) == ("bb_crash_site", "data", "batch")
+    code = top.evidence.pop("code")  # where it raised: the user's forward that looked the id up, not torch's
+    assert code["qualname"].endswith(".forward") and code["library"] is None
     assert top.evidence == {"max_id": Tok.vocab_size, "vocab": Tok.vocab_size, "phase": "forward"}
 
 
