@@ -150,13 +150,14 @@ class GoldenGradNorm(BlackBoxDetector):
         point = {"step": record.step, "grad_norm": record.grad_norm, "golden": list(span)}
         for key, off, subsystem, confidence, why in (
                 ("high", record.grad_norm > self.HIGH * span[1], "optimizer", 0.6,
-                 "where the known-good runs stepped with at most {hi:.3g}, {n} sampled steps in a row: their "
-                 "clipping does not act on what the optimizer steps with (clipped before the backward, or not at "
-                 "all)"),
+                 "where the known-good runs stepped with at most {hi:.3g}, {n} sampled steps in a row. Larger "
+                 "gradients than the known-good runs' have many causes (a loss scaled up, a learning signal the "
+                 "good runs did not have, a scaler's gradients stepped unscaled); if the loop clips, check that "
+                 "the clipping acts on what the optimizer steps with (not before the backward)"),
                 ("low", 0 < record.grad_norm < span[0] / self.LOW, "loss", 0.35,
-                 "where the known-good runs' were at least {lo:.3g}, {n} sampled steps in a row: the loss the "
-                 "backward differentiates is scaled down (a mean taken twice: over the accumulation steps or the "
-                 "tokens), or part of it no longer reaches the weights")):
+                 "where the known-good runs' were at least {lo:.3g}, {n} sampled steps in a row. Possible "
+                 "causes: the loss the backward differentiates is scaled down (a mean taken twice: over the "
+                 "accumulation steps or the tokens), or part of it no longer reaches the weights")):
             hits = self.tally(key, point if off else None, self.MIN_STEPS, in_a_row=True)
             if hits:
                 (lo, hi), first = hits[0]["golden"], hits[0]

@@ -131,6 +131,10 @@ def test_the_optimizer_steps_with_cleared_or_unclipped_gradients(bug):
         hits = finding.evidence["steps"]
         assert [h["step"] for h in hits] == [1, 2, 3]
         assert all(h["golden"][1] == pytest.approx(0.05, rel=1e-3) and h["grad_norm"] > 0.5 for h in hits)
+        # what was measured first, then the causes as possibilities (larger gradients are not proof of bad clipping)
+        measured, hypothesis = finding.message.split(". ", 1)
+        assert "stepped with gradients of norm" in measured and "at most 0.05" in measured
+        assert hypothesis.startswith("Larger gradients than the known-good runs' have many causes")
 
 
 @functools.cache
