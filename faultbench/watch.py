@@ -243,7 +243,7 @@ class Watch:
         for i, f in enumerate(findings, 1):
             # "found at": the steps the loop had taken when the detector concluded; a message may quote the step
             # its evidence began at
-            lines.append(f"{i:>2}. [{f.subsystem}] {f.where} (found at step {f.step}, {f.detector}, "
+            lines.append(f"{i:>2}. [{f.subsystem}] {f.where}{_whose(f)} (found at step {f.step}, {f.detector}, "
                          f"confidence {f.confidence:.2f}): {f.message}")
         lines += _not_applicable_lines(self.not_applicable)
         lines += [f"detector error: {d}: {err}" for d, err in self.errors.items()]
@@ -630,6 +630,12 @@ def _instantiate(detectors) -> list[BlackBoxDetector]:
     if unknown:
         raise ValueError(f"not black-box detectors: {', '.join(unknown)} (known: {', '.join(black_box_ids())})")
     return [registry[d]() for d in ids]
+
+
+def _whose(finding: Finding) -> str:
+    """" (transformers 5.23.0's code)" when the finding's place in code is an installed library's, not the user's."""
+    code = finding.evidence.get("code")
+    return f" ({code['library']}'s code)" if isinstance(code, dict) and code.get("library") else ""
 
 
 def _not_applicable_lines(reasons: dict[str, str], width: int = 110) -> list[str]:

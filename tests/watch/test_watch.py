@@ -367,3 +367,28 @@ def test_a_finding_on_the_scheduler_names_its_schedule_function(spies, monkeypat
         _steps_without_zero_grad(model, optimizer, steps=1)
     code = w.findings[0].evidence["code"]
     assert code["qualname"] == f"{__name__}._warmup" and code["line"] == _warmup.__code__.co_firstlineno
+
+
+def test_the_report_says_when_a_findings_place_is_a_librarys_code(spies, monkeypatch):
+    class ModuleSpy(Spy):
+        id = "test_module_spy"
+
+        def on_end(self, ctx):
+            self.report(ctx, "model", "1", "spy on an installed library's module")  # torch's Linear
+            self.report(ctx, "model", "0", "spy on the user's module", confidence=0.4)
+
+    class Users(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    monkeypatch.setitem(DETECTORS, ModuleSpy.id, ModuleSpy)
+    model = torch.nn.Sequential(Users(), torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with faultbench.watch(model, optimizer, detectors=["test_module_spy"], report=False) as w:
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    library, users = w.findings
+    assert library.evidence["code"]["library"] == f"torch {torch.__version__}"
+    assert users.evidence["code"]["library"] is None and users.evidence["code"]["qualname"].endswith("Users.forward")
+    lines = w.report().splitlines()
+    assert f"] 1 (torch {torch.__version__}'s code) (found at step 1" in lines[1] and "'s code" not in lines[2]
