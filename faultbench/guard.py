@@ -79,10 +79,14 @@ def crash_of(exc: BaseException) -> dict:
     None if every frame is)}."""
     walked = list(traceback.walk_tb(exc.__traceback__))
     code = next((code_place(f, line) for f, line in reversed(walked) if not _is_machinery(f)), None)
-    frames = traceback.extract_tb(exc.__traceback__)
-    return {"type": type(exc).__name__, "message": str(exc), "frames": [(f.filename, f.lineno, f.name) for f in frames],
-            "qualnames": [f"{f.f_globals.get('__name__', '?')}.{f.f_code.co_qualname}" for f, _ in walked],
-            "code": code}
+    return {"type": type(exc).__name__, "message": str(exc),
+            "frames": [(f.f_code.co_filename, line, f.f_code.co_name) for f, line in walked],
+            "qualnames": [frame_qualname(f) for f, _ in walked], "code": code}
+
+
+def frame_qualname(frame) -> str:
+    """``module.qualname`` of the function ``frame`` runs (``model.gpt.Block.forward``)."""
+    return f"{frame.f_globals.get('__name__', '?')}.{frame.f_code.co_qualname}"
 
 
 def watched_crash(exc: BaseException) -> None:

@@ -119,9 +119,9 @@ class CrashSite(BlackBoxDetector):
         what = f"the run crashed ({crash['type']}: {crash['message'][:160]}{_at(crash.get('code'))})"
         frames = crash.get("frames") or []
         phase = crash.get("phase")
-        for locate in (self._batch, self._library, self._forward, self._component, self._phase):
-            found = locate(ctx, frames, phase, crash.get("qualnames")) if locate == self._component else \
-                locate(ctx, frames, phase)
+        for locate in (lambda: self._batch(ctx), lambda: library_site(frames), lambda: self._forward(ctx, phase),
+                       lambda: component_site(frames, crash.get("qualnames")), lambda: self._phase(ctx, frames, phase)):
+            found = locate()
             if found is not None:
                 subsystem, where, why, evidence, confidence = found
                 self.report(ctx, subsystem, where, f"{what} {why}",
@@ -129,7 +129,7 @@ class CrashSite(BlackBoxDetector):
                 return
 
     # -- each returns (subsystem, where, why, evidence, confidence) or None
-    def _batch(self, ctx: WatchContext, frames: list, phase: str | None):
+    def _batch(self, ctx: WatchContext):
         ids = (ctx.pending_batch or {}).get("input_ids")
         if not isinstance(ids, torch.Tensor) or not ids.numel() or ids.is_floating_point():
             return None
@@ -144,23 +144,7 @@ class CrashSite(BlackBoxDetector):
                     f"({longest}): a document escaped truncation", {"length": ids.shape[-1], "longest": longest}, 0.65)
         return None
 
-    def _library(self, ctx: WatchContext, frames: list, phase: str | None):
-        paths = [_path(f) for f in frames]
-        fetches = [i for i, p in enumerate(paths) if FETCH in p]
-        if fetches:  # what the loader's fetch called: the dataset's item (data) or the collate function (collate)
-            called = frames[fetches[-1] + 1] if fetches[-1] + 1 < len(frames) else None
-            item = called is None or called[2] in ("__getitem__", "__getitems__")
-            subsystem, part = ("data", "dataset") if item else ("collate", "collate function")
-            return (subsystem, "data loader", f"inside the data loader's {part}, building a batch",
-                    {"frame": (called or frames[-1])[0]}, 0.55)
-        innermost = paths[-1] if paths else ""  # the library raised it itself
-        for site, subsystem, where in LIBRARY_SITES:
-            if site in innermost:
-                return (subsystem, where, f"inside the {where} ({innermost.rsplit('/', 1)[-1]}): the {where} was "
-                        "used out of its contract", {"frame": innermost}, 0.5)
-        return None
-
-    def _forward(self, ctx: WatchContext, frames: list, phase: str | None):
+    def _forward(self, ctx: WatchContext, phase: str | None):
         batch = ctx.pending_batch or {}
         if phase not in ("forward", "eval forward") or "input_ids" not in batch:
             return None
@@ -190,18 +174,6 @@ class CrashSite(BlackBoxDetector):
         return ("model", where, f"{module}; replayed on the crash's batch it raises again, with or without the "
                 "mask and positions and on half the length: the model's code", {"module": where}, 0.55)
 
-    def _component(self, ctx: WatchContext, frames: list, phase: str | None, qualnames: list | None = None):
-        for i in reversed(range(len(frames))):  # innermost first
-            path, name = _path(frames[i]), frames[i][2]
-            for site, subsystem, functions in COMPONENTS:
-                if site in path and (functions is None or name in functions):
-                    module = path.split("site-packages/")[-1].removesuffix(".py").replace("/", ".")
-                    known = qualnames and len(qualnames) == len(frames) and not qualnames[i].startswith("?.")
-                    qualname = qualnames[i] if known else f"{module}.{name}"
-                    return (subsystem, qualname, f"in {qualname}, the framework's {subsystem} component, the "
-                            "innermost one running", {"frame": path, "function": name}, 0.45)
-        return None
-
     def _phase(self, ctx: WatchContext, frames: list, phase: str | None):
         if phase == "backward" and any(b in _path(f) for f in frames for b in BACKWARD):
             return ("model", "", "in the backward of a training step: the graph its forward built cannot be "
@@ -215,6 +187,40 @@ class CrashSite(BlackBoxDetector):
         return (subsystem, where, f"while {during}", {}, 0.35)
 
 
+def library_site(frames: list):
+    """A crash raised inside a library component (the loader's dataset or collate function, the scaler, the
+    optimizer, ...), by its files; (subsystem, where, why, evidence, confidence) or None."""
+    paths = [_path(f) for f in frames]
+    fetches = [i for i, p in enumerate(paths) if FETCH in p]
+    if fetches:  # what the loader's fetch called: the dataset's item (data) or the collate function (collate)
+        called = frames[fetches[-1] + 1] if fetches[-1] + 1 < len(frames) else None
+        item = called is None or called[2] in ("__getitem__", "__getitems__")
+        subsystem, part = ("data", "dataset") if item else ("collate", "collate function")
+        return (subsystem, "data loader", f"inside the data loader's {part}, building a batch",
+                {"frame": (called or frames[-1])[0]}, 0.55)
+    innermost = paths[-1] if paths else ""  # the library raised it itself
+    for site, subsystem, where in LIBRARY_SITES:
+        if site in innermost:
+            return (subsystem, where, f"inside the {where} ({innermost.rsplit('/', 1)[-1]}): the {where} was "
+                    "used out of its contract", {"frame": innermost}, 0.5)
+    return None
+
+
+def component_site(frames: list, qualnames: list | None = None):
+    """The innermost training-framework component on the crash's stack (``COMPONENTS``), named by its qualified
+    name where ``qualnames`` (one per frame) has it; (subsystem, where, why, evidence, confidence) or None."""
+    for i in reversed(range(len(frames))):  # innermost first
+        path, name = _path(frames[i]), frames[i][2]
+        for site, subsystem, functions in COMPONENTS:
+            if site in path and (functions is None or name in functions):
+                module = path.split("site-packages/")[-1].removesuffix(".py").replace("/", ".")
+                known = qualnames and len(qualnames) == len(frames) and not qualnames[i].startswith("?.")
+                qualname = qualnames[i] if known else f"{module}.{name}"
+                return (subsystem, qualname, f"in {qualname}, the framework's {subsystem} component, the "
+                        "innermost one running", {"frame": path, "function": name}, 0.45)
+    return None
+
+
 def unwatched_crash(crash: dict) -> Finding:
     """A crash no watch saw (``faultbench.guard``: the program raised before its loop was watched), located by the
     library component that raised it, else by what the program had built: inside a method of a torch module (the
@@ -222,8 +228,7 @@ def unwatched_crash(crash: dict) -> Finding:
     datasets), else after the model and before training (what surrounds the model: the optimizer first).
     ``crash``: ``faultbench.guard.crash_of`` plus "parameters" (registered before it raised)."""
     frames, code = crash.get("frames") or [], crash.get("code")
-    site = CrashSite()
-    found = site._library(None, frames, None) or site._component(None, frames, None, crash.get("qualnames"))
+    found = library_site(frames) or component_site(frames, crash.get("qualnames"))
     if found is None:
         if code is not None and code["method_of_module"]:
             found = ("model", "", "inside a method of a torch module: the model was being built or initialized",
@@ -238,7 +243,7 @@ def unwatched_crash(crash: dict) -> Finding:
     subsystem, where, why, evidence, confidence = found
     message = (f"the program crashed before its training loop was watched ({crash['type']}: "
                f"{crash['message'][:160]}{_at(code)}) {why}")
-    return Finding(site.id, 0, subsystem, None, message, _jsonable(
+    return Finding(CrashSite.id, 0, subsystem, None, message, _jsonable(
         {"phase": "unwatched", "code": code, "parameters": crash.get("parameters"), **evidence}), confidence,
         where or (code or {}).get("qualname"))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from faultbench.detectors.api import RunContext
+from faultbench.guard import frame_qualname
 from faultbench.harness.case import Suite, empty_record, final_state, suite_into
 from faultbench.harness.watched import Watched, split_tracks
 from faultbench.targets.hf.hooks import checkpoint_dir, train
@@ -29,8 +30,7 @@ DECODE_PROMPTS, DECODE_TOKENS = 4, 8
 
 def seams_on_traceback(tb) -> list[str]:
     """The seams whose code is on a traceback (``module.qualname`` in the seam table), innermost last."""
-    names = [f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}" for frame, _ in traceback.walk_tb(tb)]
-    return [n for n in names if n in SEAMS]
+    return [n for n in (frame_qualname(frame) for frame, _ in traceback.walk_tb(tb)) if n in SEAMS]
 
 
 def crash_record(exc: BaseException, step: int | None) -> dict:
