@@ -42,7 +42,8 @@ bench-mutants: setup
 # `--blind` keeps case, fault and detector names out of everything printed. BLIND=blind2 runs the second set
 # (benchmarks/blind2/, written at stop 22 after two ids of the first leaked into a progress line); BLIND=blind3 the
 # third (benchmarks/blind3/); BLIND=blind4 the fourth (benchmarks/blind4/, written at stop 24 after the third was
-# partly seen through a duplicates report).
+# partly seen through a duplicates report); BLIND=blind5 the fifth (benchmarks/blind5/, written at stop 24 after a
+# review's whole-tree duplicates report hinted at the fourth set's seams).
 BLIND ?= blind
 bench-blind: setup
 	$(PY) -m faultbench bench --target all --plugin benchmarks/$(BLIND)/blind_faults.py --only-plugin-faults --blind \
