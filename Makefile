@@ -20,8 +20,11 @@ $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	$(PIP) install --quiet -c $(VENV)/constraints.txt -e '.[dev]'
 	touch $@
 
+# Bytecode caching on, whatever the shell says: the suite starts ~150 fresh interpreters (CLI runs, practice copies,
+# ranks) and, without it, each compiles the project again (~0.5 s each, and pytest rewrites every test module per
+# worker); __pycache__/ is ignored by git.
 test: setup
-	$(PY) -m pytest -n auto --dist loadgroup -q --durations=25
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -n auto --dist loadgroup -q --durations=25
 
 # The main job: every fault x 3 seeds plus the clean matrix of both targets (ref, hf), scored; writes results/
 # (cached per case). `faultbench bench --target ref|hf` runs one target.

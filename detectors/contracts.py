@@ -538,7 +538,7 @@ _CONTRACTS = (
        "a step's loss is built from that step's forwards only: no running sum or earlier graph enters its "
        "backward",
        "PyTorch FAQ, 'Don't accumulate history across your training loop'",
-       BOTH),
+       BOTH, ("bb_step_local_backward",)),
     _c("loss.numerics.stable-log-softmax",
        "the loss uses a stable log-sum-exp in at least fp32 and is finite whenever the logits are",
        S002 + ": numerically stable softmax/cross-entropy; " + S004 + ": log of zero",

@@ -40,6 +40,16 @@ TRAINED_STEPS = 100
 
 
 @pytest.fixture(scope="session")
+def rank_pool():
+    """The worker's 2-rank pool (a forkserver and two ranks: seconds to start). Its users carry
+    ``xdist_group("rank_pool")`` so that one worker starts it once."""
+    from faultbench.harness.launch import RankPool
+
+    with RankPool(2) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
 def tiny_cfg() -> RunConfig:
     return get_preset("tiny")
 

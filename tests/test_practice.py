@@ -27,11 +27,11 @@ RESULTS = practice.RESULTS
 # one cheap fault per symptom class a candidate meets first (practice_level.symptom_class)
 ROUND_TRIPS = {
     "crash": "ignore_index_mismatch",
-    "nan": "softmax_in_fp16",
-    "stall": "loss_scaled_twice",
+    "nan": "mask_keep_convention_in_attention",  # fp32: the fp16 path is the quality one's
+    "stall": "probs_then_log_softmax",
     "divergence": "optimizer_state_not_restored",  # a resume: the extra uninterrupted curve too
     "eval-metric": "loss_sum_reduction",
-    "quality": "missing_unscale_before_clip",  # hard: its README must not show the scaled norm
+    "quality": "missing_unscale_before_clip",  # fp16 and hard: its README must not show the scaled norm
     "performance": "loss_history_keeps_graph",  # the log is healthy: only the interviewer's check sees it
     "desync": "no_sync_on_last_micro_batch",  # two gloo ranks
 }

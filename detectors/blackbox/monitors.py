@@ -438,3 +438,65 @@ class GoldenLoss(BlackBoxDetector):
 
 # the monitors against golden runs, resumed segments and other ranks live beside these (registered on import)
 from faultbench.detectors.blackbox import monitors_state  # noqa: E402,F401
+
+
+@register
+class StepLocalBackward(BlackBoxDetector):
+    """A step's backward differentiates that step's forwards only (contract ``loss.state.step-local``): the gradient
+    of a training forward's logits arrives before the optimizer step that follows the forward. One that arrives
+    after it comes from a loss still holding an earlier step's graph (a running loss kept as a tensor and
+    backpropagated with ``retain_graph``: each step's update then carries every earlier step's gradient again), or,
+    when the step had no forward of its own yet, from a backward the loop issues after the optimizer step it should
+    have fed (that step stepped with the previous gradients, or none). Exact: no threshold, a gradient arrives late
+    or it does not. Steps the scaler skipped fire no optimizer step and so move nothing here."""
+
+    id = "bb_step_local_backward"
+    family = "loss"
+    description = "a backward reaches the graph of an earlier optimizer step (running loss tensor, backward after step)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._forward_steps: set[int] = set()  # steps (ctx.step) that made a training forward, the last two kept
+        self._ended = False
+
+    def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
+        self._forward_steps = {s for s in self._forward_steps if s >= ctx.step - 1} | {ctx.step}
+        target = logits if isinstance(logits, torch.Tensor) and logits.requires_grad else loss
+        if not (isinstance(target, torch.Tensor) and target.requires_grad):
+            return
+        # the hook outlives the watch where the loop keeps the graph: it holds weak references only
+        me, context, step = weakref.ref(self), weakref.ref(ctx), ctx.step
+        target.register_hook(lambda grad: _late_gradient(me, context, step))
+
+    def on_end(self, ctx: WatchContext) -> None:
+        self._ended = True
+
+    def late(self, ctx: WatchContext, produced: int) -> None:
+        """The gradient of a forward of step ``produced`` arrived during step ``ctx.step``."""
+        if self._ended or self.findings:
+            return
+        evidence = {"forward_step": produced, "backward_step": ctx.step}
+        if ctx.step in self._forward_steps:
+            self.report(ctx, "loss", "loss",
+                        f"the backward of step {ctx.step} also differentiated the forward of step {produced}: the loss "
+                        "carries an earlier step's graph (a running loss summed as a tensor and backpropagated with "
+                        "retain_graph?), so every update adds earlier steps' gradients again; accumulate "
+                        "loss.item() for logging and backpropagate only the current step's loss",
+                        evidence, confidence=0.9)
+        else:
+            self.report(ctx, "optimizer", "optimizer",
+                        f"the gradient of step {produced}'s forward arrived after the optimizer had stepped (step "
+                        f"{ctx.step} began without a forward): the loop calls backward after optimizer.step, so each "
+                        "step applies the previous step's gradients (the first, none); call loss.backward() before "
+                        "optimizer.step()", evidence, confidence=0.9)
+
+
+def _late_gradient(detector_ref, ctx_ref, produced: int) -> None:
+    """Tensor hook of ``StepLocalBackward``: never raises into the loop's backward, changes no gradient."""
+    detector, ctx = detector_ref(), ctx_ref()
+    if detector is None or ctx is None or ctx.step <= produced or ctx.probing:
+        return
+    try:
+        detector.late(ctx, produced)
+    except Exception:  # noqa: BLE001 - a detector's bug must not break the user's backward
+        pass

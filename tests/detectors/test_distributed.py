@@ -67,10 +67,10 @@ def test_rescale_factors_tell_local_rescaling_from_unsynced_gradients():
     assert not disagreeing(g, g.clone()).any()
 
 
-@pytest.mark.xdist_group("ddp_suite")
-def test_distributed_detectors_are_silent_and_leave_a_clean_ddp_run_unchanged(suite_pool):
-    watched = execute(Case("ddp", 0, (), DETECTORS), None, suite_pool)
-    bare = execute(Case("ddp", 0, (), ()), None, suite_pool)
+@pytest.mark.xdist_group("rank_pool")
+def test_distributed_detectors_are_silent_and_leave_a_clean_ddp_run_unchanged(rank_pool):
+    watched = execute(Case("ddp", 0, (), DETECTORS), None, rank_pool)
+    bare = execute(Case("ddp", 0, (), ()), None, rank_pool)
     assert watched["crash"] is None and watched["findings"] == [] and watched["detector_errors"] == {}
     assert [h["loss"] for h in watched["history"]] == [h["loss"] for h in bare["history"]]
     assert [h["grad_norm"] for h in watched["history"]] == [h["grad_norm"] for h in bare["history"]]

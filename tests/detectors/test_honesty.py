@@ -374,17 +374,17 @@ SPY, SPY_PLUGIN = "test_context_spy", str(Path(__file__).with_name("spy_plugin.p
 
 
 @pytest.fixture
-def spy_records(suite_pool):
+def spy_records(rank_pool):
     """{fault id: the case record of the spy on it}; the spy's registration is undone after the runs."""
     try:
         yield {fault_id: execute(Case(recipe_for(all_faults()[fault_id].manifest), 0, (fault_id,), (SPY,),
-                                      (SPY_PLUGIN,)), pool=suite_pool)
+                                      (SPY_PLUGIN,)), pool=rank_pool)
                for fault_id in SPIED}
     finally:
         DETECTORS.pop(SPY, None)
 
 
-@pytest.mark.xdist_group("ddp_suite")  # with the other 2-rank cases: one worker, one pool
+@pytest.mark.xdist_group("rank_pool")  # with the other 2-rank cases: one worker, one pool
 def test_the_spy_saw_every_hook_and_each_kind_of_case_and_nothing_it_reached_names_the_fault(spy_records):
     # one test: the spy's runs are the cost (a minute), and two tests of them landed on two workers
     recipes = [RECIPES[r["case"]["recipe"]] for r in spy_records.values()]

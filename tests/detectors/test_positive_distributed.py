@@ -70,23 +70,23 @@ def agreement_on_rank(rank: int, broken: str | None) -> list:
     return [(f.subsystem, f.seam) for f in det.findings]
 
 
-@pytest.mark.xdist_group("ddp_suite")
+@pytest.mark.xdist_group("rank_pool")
 @pytest.mark.parametrize(("broken", "seam"), [(None, None), ("count_not_reduced", TARGET_COUNT),
                                               ("mean_not_divided", MEAN)], ids=str)
-def test_rank_collectives_names_the_collective_that_is_not_a_sum_or_a_mean(suite_pool, broken, seam):
+def test_rank_collectives_names_the_collective_that_is_not_a_sum_or_a_mean(rank_pool, broken, seam):
     expected = [("distributed", seam)] if broken else []  # each rank sees the wrong value it got
-    assert suite_pool.run(collectives_on_rank, broken) == [expected, expected]
+    assert rank_pool.run(collectives_on_rank, broken) == [expected, expected]
 
 
-@pytest.mark.xdist_group("ddp_suite")
+@pytest.mark.xdist_group("rank_pool")
 @pytest.mark.parametrize(("broken", "seam"), [
     (None, None),
     ("same_batches", "model.sampler.ResumableSampler.next_indices"),
     ("grads_not_reduced", "model.distributed.grad_sync_context"),
 ], ids=str)
-def test_rank_agreement_finds_unsharded_data_and_unreduced_gradients(suite_pool, broken, seam):
+def test_rank_agreement_finds_unsharded_data_and_unreduced_gradients(rank_pool, broken, seam):
     expected = [("distributed", seam)] if broken else []
-    assert suite_pool.run(agreement_on_rank, broken) == [expected, expected]
+    assert rank_pool.run(agreement_on_rank, broken) == [expected, expected]
 
 
 # ---- rank_grad_norm_agreement: the logged norm is the whole gradient's (a local check: no process group needed) ----

@@ -27,7 +27,7 @@ def _run(recipe: str, faults, pool, seed: int = 0) -> dict:
 
 def _params():
     for i, (fault_id, spec) in enumerate(sorted(all_faults().items())):
-        marks = [pytest.mark.xdist_group("ddp_suite")] if RECIPES[recipe_for(spec.manifest)].world_size > 1 else []
+        marks = [pytest.mark.xdist_group("rank_pool")] if RECIPES[recipe_for(spec.manifest)].world_size > 1 else []
         if fault_id in BLIND_SPOTS:
             marks.append(pytest.mark.xfail(strict=True, reason=BLIND_SPOTS[fault_id]))
         seed = SEEDS[i % len(SEEDS)]
@@ -42,7 +42,7 @@ def top_seam(findings: list[dict]) -> str | None:
 @pytest.fixture
 def pool_for(request):
     def get(recipe):
-        return request.getfixturevalue("suite_pool") if RECIPES[recipe].world_size > 1 else None
+        return request.getfixturevalue("rank_pool") if RECIPES[recipe].world_size > 1 else None
     return get
 
 
@@ -62,7 +62,7 @@ def test_suite_finds_and_localizes_the_fault(fault_id, seed, pool_for):
 
 
 @pytest.mark.parametrize("recipe", [
-    pytest.param(r, marks=[pytest.mark.xdist_group("ddp_suite")] if RECIPES[r].world_size > 1 else [], id=r)
+    pytest.param(r, marks=[pytest.mark.xdist_group("rank_pool")] if RECIPES[r].world_size > 1 else [], id=r)
     for r in RECIPES])
 def test_suite_is_silent_on_clean_runs(recipe, pool_for):
     record = _run(recipe, (), pool_for(recipe))

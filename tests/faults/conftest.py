@@ -5,8 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from faultbench.harness.launch import RankPool
-
 
 class SharedOutcomes:
     """A mapping of clean outcomes kept as pickles in a folder the session's xdist workers share: a clean run
@@ -39,9 +37,3 @@ def clean_cache(tmp_path_factory) -> SharedOutcomes:
     root = tmp_path_factory.getbasetemp()
     shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' common folder
     return SharedOutcomes(shared / "clean-outcomes")
-
-
-@pytest.fixture(scope="session")
-def fault_pool():
-    with RankPool(2) as pool:
-        yield pool

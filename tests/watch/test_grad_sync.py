@@ -86,7 +86,7 @@ def _rank(rank: int, init: str, out) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: other files' tests run between these and would tear it down
 def findings(tmp_path_factory) -> dict:
     """{rank: {scenario: findings}} of both ranks."""
     import torch.multiprocessing as mp

@@ -315,56 +315,71 @@ def test_no_per_parameter_hook_runs_in_the_steps_without_a_scaler_and_one_with_i
 
 
 # ---- across ranks: two gloo processes, each a replica of the same loop -------------------------------------------
-def _rank_loop(rank: int, world: int, init: str, bug: str | None, out) -> None:
+REPLICA_BUGS = [None, "not_averaged", "same_data", "buffer_per_rank"]
+
+
+def _replica_loop(rank: int, world: int, bug: str | None) -> tuple:
     """One rank of a data-parallel loop that averages its gradients by hand (all_reduce / world), under a watch
     with bb_cross_rank; ``bug``: "not_averaged" (rank 1 skips the all-reduce), "same_data" (every rank draws the
-    batches of rank 0), "buffer_per_rank" (a buffer the forward uses holds a rank-dependent value). Puts (rank,
-    [(detector, subsystem, where, step)], not-applicable ids, the first finding's message) on ``out``."""
+    batches of rank 0), "buffer_per_rank" (a buffer the forward uses holds a rank-dependent value). Returns
+    ([(detector, subsystem, where, step)], not-applicable ids, the first finding's message)."""
+    model, optimizer, _ = build(TrainConfig(), seed=0)  # the same initial weights on every rank
+    if bug == "buffer_per_rank":  # an embedding scale kept as a buffer, computed from the rank
+        model.register_buffer("emb_scale", torch.tensor(1.0 + 0.1 * rank))
+        model.transformer.wte.register_forward_hook(lambda m, a, o: o * model.emb_scale)
+    batches = _batches(0 if bug == "same_data" else rank, n=5)
+    w = faultbench.watch(model, optimizer, report=False, detectors=["bb_cross_rank"])
+    with w:
+        for x, y in batches:
+            model(x, y)[1].backward()
+            if not (bug == "not_averaged" and rank == 1):
+                for p in model.parameters():
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= world
+            else:  # keeps the collectives paired: rank 0 reduces with rank 1's zeros
+                for p in model.parameters():
+                    torch.distributed.all_reduce(torch.zeros_like(p.grad))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return ([(f.detector, f.subsystem, f.where, f.step) for f in w.findings], sorted(w.not_applicable),
+            w.findings[0].message if w.findings else "")
+
+
+def _replica_rank(rank: int, init: str, out) -> None:
+    """Every loop of REPLICA_BUGS on this rank, one after another in one process group (spawning ranks costs
+    seconds); puts (rank, {bug: result}) on ``out``."""
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        model, optimizer, _ = build(TrainConfig(), seed=0)  # the same initial weights on every rank
-        if bug == "buffer_per_rank":  # an embedding scale kept as a buffer, computed from the rank
-            model.register_buffer("emb_scale", torch.tensor(1.0 + 0.1 * rank))
-            model.transformer.wte.register_forward_hook(lambda m, a, o: o * model.emb_scale)
-        batches = _batches(0 if bug == "same_data" else rank, n=5)
-        w = faultbench.watch(model, optimizer, report=False, detectors=["bb_cross_rank"])
-        with w:
-            for x, y in batches:
-                model(x, y)[1].backward()
-                if not (bug == "not_averaged" and rank == 1):
-                    for p in model.parameters():
-                        torch.distributed.all_reduce(p.grad)
-                        p.grad /= world
-                else:  # keeps the collectives paired: rank 0 reduces with rank 1's zeros
-                    for p in model.parameters():
-                        torch.distributed.all_reduce(torch.zeros_like(p.grad))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        out.put((rank, [(f.detector, f.subsystem, f.where, f.step) for f in w.findings], sorted(w.not_applicable),
-                 w.findings[0].message if w.findings else ""))
+        out.put((rank, {bug: _replica_loop(rank, 2, bug) for bug in REPLICA_BUGS}))
     finally:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("bug", [None, "not_averaged", "same_data", "buffer_per_rank"], ids=str)
-def test_replicas_are_compared_across_ranks(bug, tmp_path):
+@pytest.fixture(scope="session")  # not module: other files' tests run between these and would tear it down
+def replicas(tmp_path_factory) -> dict:
+    """{rank: {bug: (findings, not applicable, message)}} of both ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    init = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_rank_loop, args=(r, 2, init, bug, out)) for r in range(2)]
+    init = f"file://{tmp_path_factory.mktemp('replicas')}/rendezvous"
+    procs = [ctx.Process(target=_replica_rank, args=(r, init, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = [out.get(timeout=120) for _ in procs]
-    results = {r: (f, na) for r, f, na, _ in got}
-    messages = {r: m for r, _, _, m in got}
+    got = dict(out.get(timeout=180) for _ in procs)
     for p in procs:
         p.join(30)
     assert all(p.exitcode == 0 for p in procs)
-    assert all(na == [] for _, na in results.values())  # the check ran on both ranks
-    findings = {r: f for r, (f, _) in results.items()}
+    return got
+
+
+@pytest.mark.xdist_group("watch_replicas")  # one worker spawns the two ranks
+@pytest.mark.parametrize("bug", REPLICA_BUGS, ids=str)
+def test_replicas_are_compared_across_ranks(bug, replicas):
+    findings = {r: got[bug][0] for r, got in replicas.items()}
+    messages = {r: got[bug][2] for r, got in replicas.items()}
+    assert all(got[bug][1] == [] for got in replicas.values())  # the check ran on both ranks
     if bug is None:
         assert findings == {0: [], 1: []}
     elif bug == "not_averaged":  # both ranks see it at the first check after the replicas diverged (step 1)
