@@ -28,8 +28,12 @@ from faultbench.model.data import IGNORE_INDEX
     "output of its own layer, the architecture differs from the one configured and checkpoints are not "
     "interchangeable with it.",
     fix="x = x + attn(ln_1(x)); then x + mlp(ln_2(x)).",
-    references=("huggingface/transformers GPT-NeoX use_parallel_residual threads: converted checkpoints "
-                "evaluated with the wrong residual layout",),
+    references=(
+        "huggingface/transformers#18695: 'Add a use_parallel_residual argument to control the residual computing "
+        "way' (GPT-NeoX checkpoints trained with the sequential residual layout)",
+        "ml-explore/mlx-lm#586: 'Add parallel_residual setting to gptneox' (sequential-layout GPT-NeoX "
+        "derivatives otherwise run with the parallel layout)",
+    ),
     manifest=Manifest(check="metric_differs", steps=60, params={"min_gap": 0.01}),
 )
 def block_parallel(self, x, rope, attn_mask, cache=None, layer_idx: int = 0):
@@ -47,8 +51,11 @@ def block_parallel(self, x, rope, attn_mask, cache=None, layer_idx: int = 0):
     explanation="count_targets returns labels.numel(): the summed cross-entropy is divided by B*T, so each batch's "
     "loss and gradient shrink by its padding fraction and short-document batches weigh less.",
     fix="Count labels[:, 1:] != ignore_index.",
-    references=("huggingface/transformers issue: loss averaged over padding tokens in the causal-LM loss "
-                "(num_items_in_batch / attention_mask.sum() used as the divisor)",),
+    references=(
+        "huggingface/transformers#32832: 'Causal lanuage modeling should consider loss masks for pad tokens.'",
+        "huggingface/transformers#46204: 'Fix `num_items_in_batch` over-counting for causal LM losses' (divisor "
+        "larger than the number of real targets)",
+    ),
     manifest=Manifest(check="loss_below", steps=30, params={"min_gap": 0.05}),
 )
 def count_every_slot(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
@@ -66,8 +73,12 @@ def count_every_slot(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> 
     explanation="A leftover 'max eval batches' shortcut returns after one batch, so the reported validation loss "
     "is that of the first batch_size documents only: noisy and biased by their lengths.",
     fix="Iterate over every validation batch.",
-    references=("karpathy/nanoGPT estimate_loss with a small eval_iters: issues about the noisy, subset-based "
-                "validation loss",),
+    references=(
+        "NVIDIA/DeepLearningExamples#299: 'Fixed wrong val loss being logged' (one validation batch's loss "
+        "reported instead of the average over all batches)",
+        "rasbt/LLMs-from-scratch#312: validation loss computed over only eval_iter batches (one batch of a small "
+        "validation loader)",
+    ),
     manifest=Manifest(check="metric_differs", steps=30, params={"min_gap": 0.01}),
 )
 def evaluate_first_batch(model, docs, pad_id: int, batch_size: int, precision: str = "fp32",
@@ -101,8 +112,14 @@ def evaluate_first_batch(model, docs, pad_id: int, batch_size: int, precision: s
     explanation="lr_at uses cos(2*pi*progress) (num_cycles=1 instead of 0.5): half-way the LR is at its floor, "
     "and the run ends at the peak LR instead of annealed.",
     fix="cos(pi * progress): one half-cosine from lr to min_lr.",
-    references=("huggingface/transformers get_cosine_schedule_with_warmup num_cycles: issues where num_cycles=1 "
-                "made the LR go back up to the peak",),
+    references=(
+        "Hugging Face Transformers docs, Optimization, get_cosine_schedule_with_warmup: num_cycles defaults to "
+        "0.5, a half-cosine from the peak to 0 "
+        "(https://huggingface.co/docs/transformers/main_classes/optimizer_schedules)",
+        "ModelScope Twinkle docs, CosineWarmupScheduler: num_cycles=0.5 decays to the minimum, num_cycles=1 "
+        "decays and returns to the maximum "
+        "(https://modelscope.github.io/twinkle-web/docs/components/lrscheduler/cosinewarmupscheduler/)",
+    ),
     manifest=Manifest(check="lr_ratio", steps=20, variant={"train": {"warmup_steps": 2}},
                       params={"min_ratio": 2.0, "max_ratio": 1e9, "step": 19}),
 )
@@ -126,8 +143,12 @@ def lr_at_full_period(step: int, cfg: TrainConfig) -> float:
     "gradient and then normalized by Adam's second moment, so it is not a decay at all for large-gradient "
     "weights and a huge one for small-gradient weights.",
     fix="torch.optim.AdamW (decoupled weight decay).",
-    references=("Loshchilov & Hutter, 'Decoupled Weight Decay Regularization', and the PyTorch forum/issue threads "
-                "'Adam weight_decay is L2, not AdamW'",),
+    references=(
+        "Loshchilov & Hutter, 'Decoupled Weight Decay Regularization', arXiv:1711.05101 (ICLR 2019)",
+        "pytorch/pytorch#48793: 'Weight_decay in torch.Adam' (Adam's weight_decay is an L2 penalty, not decoupled "
+        "decay)",
+        "pytorch/pytorch#21250: 'Implement AdamW optimizer'",
+    ),
     manifest=Manifest(check="metric_differs", steps=60, params={"min_gap": 0.01}),
 )
 def configure_adam_l2(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -155,8 +176,13 @@ def configure_adam_l2(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimiz
     explanation="truncate uses max_len // 2: every document longer than half the context is cut (its EOS kept), "
     "so the model never trains or is evaluated on the second half of the positions it was built for.",
     fix="Cut at max_len.",
-    references=("huggingface/transformers run_clm threads: block_size / max_length silently capped below the "
-                "model's context",),
+    references=(
+        "huggingface/transformers#21463: '[examples] improve block_size warning message' (run_clm's default "
+        "block_size of 1024 below the model's max length)",
+        "huggingface/transformers#26069: 'refactor: change default block_size in block size > max position "
+        "embeddings'",
+        "huggingface/autotrain-advanced#467: '[BUG] block_size gets reset to 1024 from 4096 for LLMs'",
+    ),
     manifest=Manifest(check="metric_differs", steps=60, params={"min_gap": 0.01}),
 )
 def truncate_half(ids: list[int], max_len: int, eos_id: int) -> list[int]:
@@ -178,8 +204,11 @@ def truncate_half(ids: list[int], max_len: int, eos_id: int) -> list[int]:
     "included: every norm multiplies its output by ~0.02, the residual branches and the logits start almost "
     "silent and training crawls.",
     fix="Initialize Linear and Embedding weights only; leave LayerNorm gains at 1 and biases at 0.",
-    references=("huggingface/transformers and minGPT threads: _init_weights / apply(init) touching LayerNorm "
-                "weights (norm gains re-initialized randomly)",),
+    references=(
+        "huggingface/transformers#143: 'bug in init_bert_weights' (LayerNorm gamma/beta re-initialized from a "
+        "normal distribution)",
+        "huggingface/transformers#171: 'LayerNorm initialization' (gains filled with 1.0, biases with 0)",
+    ),
     manifest=Manifest(check="metric_differs", steps=60, params={"min_gap": 0.02}),
 )
 def init_every_parameter(self) -> None:
@@ -200,8 +229,12 @@ def init_every_parameter(self) -> None:
     "instead of torch.get_rng_state(): on resume the global generator is reset to that default state, so the "
     "dropout masks after a resume differ from the uninterrupted run's.",
     fix="torch.get_rng_state() (the default generator's state).",
-    references=("Lightning-AI and accelerate issues: resume restores the state of the wrong generator, so "
-                "resumed runs are not reproducible",),
+    references=(
+        "huggingface/transformers#17055: 'Fix RNG reload in resume training from epoch checkpoint' (RNG states "
+        "not restored on resume)",
+        "huggingface/accelerate#3960: '[Bug] RNG states from multiple backends (e.g. CUDA + HPU) are saved but "
+        "only one is restored on load_state'",
+    ),
     manifest=Manifest(scenario="resume", steps=12, check="extra_at_least", variant={"model": {"dropout": 0.1}},
                       params={"key": "resume_loss_diff", "faulty_min": 0.001, "clean_max": 0.0}),
 )
@@ -235,8 +268,12 @@ _LLAMA = "transformers.models.llama.modeling_llama"
     explanation="LlamaRMSNorm.forward returns (1 + weight) * x_normed: every norm starts with gain 2 and the "
     "parametrization differs from the initialization and from Llama checkpoints.",
     fix="weight * x_normed for Llama (Gemma stores weight - 1 and adds 1).",
-    references=("huggingface/transformers Gemma RMSNorm threads: (1 + weight) vs weight when porting between "
-                "Gemma and Llama implementations",),
+    references=(
+        "huggingface/transformers#40796: '[`RMSNorm`] Fix rms norm init for models that center around 1' ((1 + "
+        "weight) norms initialized at 1 double their gain)",
+        "linkedin/Liger-Kernel#74: '[bug fix] Gemma needs RMSNorm with 1.0 offset' (Llama- and Gemma-style "
+        "RMSNorm mixed up)",
+    ),
     manifest=Manifest(check="metric_differs", steps=30, params={"min_gap": 0.01}),
 )
 def rmsnorm_one_plus(self, hidden_states):
@@ -259,7 +296,12 @@ def rmsnorm_one_plus(self, hidden_states):
     explanation="LlamaMLP.forward computes down(up(x)) activated times gate(x): trained from scratch it still "
     "learns, but loaded weights are used in the wrong roles and the init-time statistics differ.",
     fix="down_proj(act_fn(gate_proj(x)) * up_proj(x)).",
-    references=("huggingface/transformers conversion issues where gate_proj and up_proj (w1/w3) were swapped",),
+    references=(
+        "Shazeer, 'GLU Variants Improve Transformer', arXiv:2002.05202 (SwiGLU: the activation gates one "
+        "projection, the other stays linear)",
+        "devvrit/matformer#4: 'Apply activation before gating in MLP layer' (gated MLP computed differently from "
+        "Llama's down(act(gate(x)) * up(x)))",
+    ),
     manifest=Manifest(check="metric_differs", steps=30, params={"min_gap": 0.001}),
 )
 def mlp_swapped(self, x):
@@ -278,8 +320,12 @@ def mlp_swapped(self, x):
     explanation="compute_default_rope_parameters falls back to a hard-coded small base when the config's "
     "rope_parameters lookup is bypassed: the slowest pair wraps within ~600 tokens and far positions alias.",
     fix="Use config.rope_parameters['rope_theta'].",
-    references=("huggingface/transformers issues: rope_theta ignored / not propagated from the config "
-                "(rope_scaling and rope_parameters refactor regressions)",),
+    references=(
+        "huggingface/transformers#43281: 'fix: access `rope_theta` correctly in `Llama4VisionRotaryEmbedding`' "
+        "(rope_theta moved into rope_parameters in v5)",
+        "sgl-project/SpecForge#265: '`rope_theta` from config isn't used?' (rotary embeddings fall back to the "
+        "default base)",
+    ),
     manifest=Manifest(check="metric_differs", steps=30, params={"min_gap": 0.001}),
 )
 def rope_small_base(config, **kwargs):
@@ -302,8 +348,10 @@ def rope_small_base(config, **kwargs):
     explanation="causal_mask_function also requires kv_idx // 8 == q_idx // 8: each token attends only within its "
     "own 8-token chunk, cutting the context at every chunk boundary.",
     fix="kv_idx <= q_idx only (chunking belongs to models trained with it).",
-    references=("huggingface/transformers Llama 4 attention_chunk_size issues: chunked mask applied where full "
-                "causal attention was expected",),
+    references=(
+        "huggingface/transformers#37351: '[`Llamma4`] Chunked Attention' (chunked-attention mask bug)",
+        "huggingface/transformers#37329: 'more fixes for post-training llama4' (the chunked mask at fault)",
+    ),
     manifest=Manifest(check="metric_differs", steps=30, params={"min_gap": 0.01}),
 )
 def causal_chunked(batch_idx: int, head_idx: int, q_idx: int, kv_idx: int) -> bool:
@@ -322,8 +370,14 @@ def causal_chunked(batch_idx: int, head_idx: int, q_idx: int, kv_idx: int) -> bo
     explanation="fixed_cross_entropy always takes the token mean, then divides by num_items_in_batch when it is "
     "given: the loss and gradients are divided by the token count twice, training barely moves.",
     fix="reduction='sum' when num_items_in_batch is given, 'mean' otherwise; divide once.",
-    references=("huggingface/transformers gradient-accumulation loss fix follow-ups (2024): custom losses "
-                "receiving num_items_in_batch divided twice",),
+    references=(
+        "huggingface/transformers#34191: 'Fix Gradient Accumulation issue' (2024 fix: sum-reduced loss divided by "
+        "num_items_in_batch)",
+        "huggingface/transformers#35663: 'About GA loss in the latest transformers version' (follow-up: GA loss "
+        "mis-scaled)",
+        "Hugging Face blog, 'Fixing Gradient Accumulation', 2024-10-16 "
+        "(https://huggingface.co/blog/gradient_accumulation)",
+    ),
     manifest=Manifest(check="loss_below", steps=30, params={"min_gap": 0.5}),
 )
 def ce_mean_then_divided(source, target, num_items_in_batch=None, ignore_index: int = -100, **kwargs):
@@ -347,8 +401,13 @@ def ce_mean_then_divided(source, target, num_items_in_batch=None, ignore_index: 
     explanation="The multiplier takes the absolute value of the cosine over two half-periods, so after the "
     "midpoint the LR climbs again and the run ends near the peak LR.",
     fix="max(0, 0.5 * (1 + cos(pi * num_cycles * 2 * progress))).",
-    references=("huggingface/transformers get_cosine_with_hard_restarts / num_cycles issues: LR going back up at "
-                "the end of training",),
+    references=(
+        "Hugging Face Transformers docs, Optimization: get_cosine_schedule_with_warmup and "
+        "get_cosine_with_hard_restarts_schedule_with_warmup schedule shapes "
+        "(https://huggingface.co/docs/transformers/main_classes/optimizer_schedules)",
+        "huggingface/transformers#29852: 'cosine_with_restarts schedule not restart' (the cosine lambda's shape "
+        "over num_cycles)",
+    ),
     manifest=Manifest(check="lr_ratio", steps=20, params={"min_ratio": 2.0, "max_ratio": 1e9, "step": 18}),
 )
 def cosine_abs(current_step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float,
@@ -372,8 +431,11 @@ def cosine_abs(current_step: int, *, num_warmup_steps: int, num_training_steps: 
     explanation="get_eval_dataloader returns the train dataloader (eval_dataset=train_dataset in the script): "
     "the reported validation loss is a training loss and hides overfitting.",
     fix="Build the eval dataloader over eval_dataset.",
-    references=("huggingface/transformers forum threads: eval loss equal to train loss because eval_dataset was "
-                "the training split",),
+    references=(
+        "huggingface/peft#657: 'Typo in clm-prompt-tuning.mdx' (train_dataset and eval_dataset set to the same "
+        "'train' split)",
+        "JJGO/shrinkbench#7: 'Fix loading of validation data set' (the training set used as the validation set)",
+    ),
     manifest=Manifest(check="metric_differs", steps=30, params={"min_gap": 0.001}),
 )
 def eval_on_train(self, eval_dataset=None):
@@ -392,7 +454,12 @@ def eval_on_train(self, eval_dataset=None):
     explanation="__getitem__ maps index i to text i // 2 (a leftover from a pairs-per-row layout): every "
     "document in the first half appears twice per epoch and the second half is never trained on.",
     fix="self.texts[i].",
-    references=("huggingface/datasets issues: dataset.select / index mapping bugs that silently repeat rows",),
+    references=(
+        "huggingface/datasets#3754: 'Overflowing indices in `select`' (select silently wraps indices and repeats "
+        "rows)",
+        "huggingface/datasets#3459: 'dataset.filter overwriting previously set dataset._indices values, resulting "
+        "in the wrong elements being selected.'",
+    ),
     manifest=Manifest(check="metric_differs", steps=60, params={"min_gap": 0.001}),
 )
 def getitem_half(self, i: int) -> dict:
