@@ -215,6 +215,10 @@ class CausalLM:
         kwargs = {"max_new_tokens": new_tokens}
         if self.greedy_declared:  # transformers' GenerationMixin
             kwargs |= {"min_new_tokens": new_tokens, "do_sample": False, "num_beams": 1, "use_cache": True}
+        if attention_mask is None and self.greedy_declared and self.takes_attention_mask:
+            # an unpadded prompt's mask is all ones: said explicitly, transformers cannot mistake the prompt's tokens
+            # for padding (it warns on a batched prompt without a mask when its pad id is its EOS id)
+            attention_mask = torch.ones_like(input_ids)
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         out = self.model.generate(input_ids, **kwargs)

@@ -158,17 +158,35 @@ class ShortBatch(NotApplicable):
 
 
 def real_block(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, rows: int = ROWS,
-               length: int = LENGTH) -> torch.Tensor:
+               length: int = LENGTH, pad_id: int | None = None) -> torch.Tensor:
     """(B', L) real tokens of the user's batch, pads dropped wherever they were: its ``rows`` longest rows (none
-    shorter than half the longest), all cut to the shortest of them (at most ``length``, at least MIN_LEN)."""
+    shorter than half the longest), all cut to the shortest of them (at most ``length``, at least MIN_LEN). A real
+    token equal to the loop's ``pad_id`` (an EOS that also pads) is dropped from either end of its row: a row that
+    starts or ends with the pad id looks padded, and a library warns when such a row comes without a mask."""
     real = [input_ids[i] if attention_mask is None else input_ids[i][attention_mask[i].bool()]
             for i in range(input_ids.shape[0])]
+    if pad_id is not None:
+        real = [_strip(r, pad_id) for r in real]
     real = sorted(real, key=len, reverse=True)[:rows]
     real = [r for r in real if len(r) >= len(real[0]) // 2]
     length = min(length, len(real[-1]))
     if length < MIN_LEN:
         raise ShortBatch(f"the batch's longest rows hold {length} real tokens: too few to probe")
     return torch.stack([r[:length] for r in real])
+
+
+def shown_pad_id(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int | None:
+    """The one id the batch holds where its mask is 0 (its padding), None without a mask, padding or a single id."""
+    if attention_mask is None:
+        return None
+    ids = torch.unique(input_ids[~attention_mask.bool()])
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def _strip(row: torch.Tensor, token: int) -> torch.Tensor:
+    """``row`` (T,) without its leading and trailing runs of ``token``."""
+    keep = (row != token).nonzero()
+    return row[int(keep[0]): int(keep[-1]) + 1] if len(keep) else row[:0]
 
 
 def other_tokens(ids: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
@@ -292,12 +310,18 @@ class ProbeRound:
                  positions: str | None = None):
         self.lm, self.batch_mask, self.batch_positions = lm, attention_mask, position_ids
         self.positions = positions  # the loop's declared kind of positions (detectors.blackbox.conventions)
-        self.ids = real_block(input_ids, attention_mask, rows=1, length=length)
+        # the id the loop pads with (declared, else the one its batch shows under the mask): no probe row starts or
+        # ends with it
+        padding = pad_id if pad_id is not None else shown_pad_id(input_ids, attention_mask)
+        self.ids = real_block(input_ids, attention_mask, rows=1, length=length, pad_id=padding)
         self.pad_id = int(self.ids[0, 0]) if pad_id is None else int(pad_id)
         self.cut = self.ids.shape[1] // 2
         self.changed = self.ids.clone()  # tokens from ``cut`` on replaced: the causality probe's variant
-        # replacements drawn from every real token of the batch: a row of one repeated token is still probed
+        # replacements drawn from every real token of the batch but the pad id (a row ending with it looks padded): a
+        # row of one repeated token is still probed
         pool = input_ids if attention_mask is None else input_ids[attention_mask.bool()]
+        if padding is not None and bool((pool != padding).any()):
+            pool = pool[pool != padding]
         self.changed[:, self.cut:] = other_tokens(self.ids[:, self.cut:], pool)
         self._results: dict[str, ProbeResult | None | NotApplicable] = {}
         self._plain: _Forward | None = None

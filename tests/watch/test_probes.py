@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import faultbench
 from faultbench.detectors.api import NotApplicable
 from faultbench.detectors.blackbox import probes
 from faultbench.detectors.blackbox.lm import CausalLM
@@ -74,6 +75,39 @@ def gpt2(seed: int) -> CausalLM:
     torch.manual_seed(seed)
     return CausalLM.wrap(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2,
                                                     n_head=2)).eval())
+
+
+def test_the_probes_give_a_library_no_cause_to_warn_about_a_missing_attention_mask():
+    # GPT-2 configured as users often do (pad = EOS), a loop of short right-padded rows "BOS ... EOS": transformers
+    # warns when an unmasked input starts or ends with its pad id (a probe row ending in EOS) and when generate gets a
+    # batched prompt without a mask. Its warnings come once per process (an lru_cache): cleared first, so an earlier
+    # test cannot have used them up.
+    import logging
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    logging.Logger.warning_once.cache_clear()
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with faultbench.watch(model, optimizer, report=False):
+            for _ in range(2):
+                ids, mask = torch.full((4, 14), 2), torch.zeros(4, 14, dtype=torch.long)
+                for row, n in enumerate((11, 11, 10, 9)):
+                    ids[row, :n] = torch.cat([torch.tensor([1]), torch.randint(3, 64, (n - 2,)), torch.tensor([2])])
+                    mask[row, :n] = 1
+                model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in seen if "attention_mask" in m or "attention mask" in m], seen
 
 
 @pytest.mark.parametrize("seed", [0, 1])
