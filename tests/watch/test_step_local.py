@@ -80,7 +80,7 @@ def test_a_backward_of_its_own_step_draws_no_finding(shape):
 @pytest.mark.parametrize(("shape", "subsystem", "where", "words"), [
     ("running_loss_tensor", "loss", "loss", "also differentiated the forward of step 0"),
     ("backward_after_step", "optimizer", "optimizer", "after the optimizer had stepped"),
-])
+], ids=["running_loss_tensor", "backward_after_step"])  # ids without spaces: a failing node id is a command line
 def test_a_backward_that_reaches_an_earlier_step_is_named(shape, subsystem, where, words):
     w, raised = _loop(shape)
     assert "modified by an inplace operation" in str(raised)  # PyTorch's error: the finding says why
