@@ -385,3 +385,13 @@ def black_box_ids() -> list[str]:
 
     return black_box_suite_ids()
 
+
+def guarded(fn, errors: list):
+    """``fn`` for autograd to call (outside the watch's guard): its exception never reaches the loop's backward, it
+    is appended to ``errors`` (the detector raises it from a hook of its own, where the watch reports it)."""
+    def call(*args):
+        try:
+            fn(*args)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return call

@@ -95,3 +95,11 @@ def layout(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int]
     real token is BOS), "bos2" (first two are BOS), "eos" (last real token is EOS), "full" (rows as long as the
     batch: its longest, and any cut at the length limit) and "full_eos" (of them, those ending with EOS)."""
     return _layout(*_real_rows(ids, mask), special)
+
+
+def shown_pad_id(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int | None:
+    """The one id the batch holds where its mask is 0 (its padding), None without a mask, padding or a single id."""
+    if attention_mask is None:
+        return None
+    ids = torch.unique(input_ids[~attention_mask.bool()])
+    return int(ids[0]) if len(ids) == 1 else None

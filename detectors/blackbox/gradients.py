@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from faultbench.detectors.api import NotApplicable, register
-from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, guarded
+from faultbench.detectors.blackbox.batches import shown_pad_id
 
 MIN_POSITIONS = 8  # labelled positions a micro-batch needs before its labels say anything
 SATURATED = 1e-4  # 1 - p(label) below this: the weight is not measurable (the loss is ~0 there anyway)
@@ -473,25 +474,11 @@ class LossPadding(_GradientDetector):
 def _pad_id(ctx: WatchContext, ids: torch.Tensor, mask: torch.Tensor) -> int | None:
     """The declared pad id (detectors.blackbox.conventions), else the single id the batch holds where attention_mask
     is 0."""
-    if ctx.conventions.pad_id is not None:
-        return ctx.conventions.pad_id
-    padded = ids[~mask].unique()
-    return int(padded[0]) if padded.numel() == 1 else None
+    return ctx.conventions.pad_id if ctx.conventions.pad_id is not None else shown_pad_id(ids, mask)
 
 
 def _process_group() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _guarded(fn, errors: list):
-    """``fn`` for autograd to call (outside the watch's guard): its exception never reaches the loop's backward, it
-    is appended to ``errors`` (the detector raises it from a hook of its own, where the watch reports it)."""
-    def call(*args):
-        try:
-            fn(*args)
-        except Exception as e:
-            errors.append(f"{type(e).__name__}: {e}")
-    return call
 
 
 def _at_backward_end(fn, errors: list) -> None:
@@ -499,7 +486,7 @@ def _at_backward_end(fn, errors: list) -> None:
     writes the ranks' reduced gradients): a callback queued from a callback runs after them. Call from a hook
     that fires inside the backward."""
     engine = torch.autograd.Variable._execution_engine
-    engine.queue_callback(lambda: engine.queue_callback(_guarded(fn, errors)))
+    engine.queue_callback(lambda: engine.queue_callback(guarded(fn, errors)))
 
 
 class _SyncProjection:
@@ -516,7 +503,7 @@ class _SyncProjection:
         self.local: float | None = None
         self.synced: float | None = None
         self.errors: list[str] = []
-        self._handles = [p.register_post_accumulate_grad_hook(_guarded(self._accumulated, self.errors)) for p in params]
+        self._handles = [p.register_post_accumulate_grad_hook(guarded(self._accumulated, self.errors)) for p in params]
 
     def _dot(self, p: torch.Tensor) -> torch.Tensor:
         return (p.grad.detach().float() * self.v[id(p)]).sum()

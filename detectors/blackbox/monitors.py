@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from faultbench.detectors.api import NotApplicable, register
-from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext
+from faultbench.detectors.blackbox.api import BlackBoxDetector, StepRecord, WatchContext, guarded
 
 
 @register
@@ -439,6 +439,7 @@ class GoldenLoss(BlackBoxDetector):
 # the monitors against golden runs, resumed segments and other ranks live beside these (registered on import)
 from faultbench.detectors.blackbox import monitors_state  # noqa: E402,F401
 
+# registered after monitors_state's detectors: the suite's order (report order among ties) stays as it was
 
 @register
 class StepLocalBackward(BlackBoxDetector):
@@ -456,27 +457,34 @@ class StepLocalBackward(BlackBoxDetector):
 
     def __init__(self) -> None:
         super().__init__()
-        self._forward_steps: set[int] = set()  # steps (ctx.step) that made a training forward, the last two kept
+        self._last_forward: int | None = None  # the step (ctx.step) of the latest training forward
         self._ended = False
+        self._errors: list[str] = []  # raised by the hooks autograd calls (``guarded``), reported at the next hook
 
     def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
-        self._forward_steps = {s for s in self._forward_steps if s >= ctx.step - 1} | {ctx.step}
+        self._raise_errors()
+        self._last_forward = ctx.step
         target = logits if isinstance(logits, torch.Tensor) and logits.requires_grad else loss
         if not (isinstance(target, torch.Tensor) and target.requires_grad):
             return
         # the hook outlives the watch where the loop keeps the graph: it holds weak references only
         me, context, step = weakref.ref(self), weakref.ref(ctx), ctx.step
-        target.register_hook(lambda grad: _late_gradient(me, context, step))
+        target.register_hook(guarded(lambda grad: _late_gradient(me, context, step), self._errors))
 
     def on_end(self, ctx: WatchContext) -> None:
         self._ended = True
+        self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        if self._errors:  # the watch reports it as this detector's error
+            raise RuntimeError(f"judging when a gradient arrived: {self._errors[0]}")
 
     def late(self, ctx: WatchContext, produced: int) -> None:
         """The gradient of a forward of step ``produced`` arrived during step ``ctx.step``."""
         if self._ended or self.findings:
             return
         evidence = {"forward_step": produced, "backward_step": ctx.step}
-        if ctx.step in self._forward_steps:
+        if self._last_forward == ctx.step:  # this step made a forward of its own: the loss also holds an older one
             self.report(ctx, "loss", "loss",
                         f"the backward of step {ctx.step} also differentiated the forward of step {produced}: the loss "
                         "carries an earlier step's graph (a running loss summed as a tensor and backpropagated with "
@@ -492,11 +500,7 @@ class StepLocalBackward(BlackBoxDetector):
 
 
 def _late_gradient(detector_ref, ctx_ref, produced: int) -> None:
-    """Tensor hook of ``StepLocalBackward``: never raises into the loop's backward, changes no gradient."""
+    """Tensor hook of ``StepLocalBackward`` (changes no gradient; ``guarded`` keeps its errors out of the backward)."""
     detector, ctx = detector_ref(), ctx_ref()
-    if detector is None or ctx is None or ctx.step <= produced or ctx.probing:
-        return
-    try:
+    if detector is not None and ctx is not None and ctx.step > produced and not ctx.probing:
         detector.late(ctx, produced)
-    except Exception:  # noqa: BLE001 - a detector's bug must not break the user's backward
-        pass

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from faultbench.detectors.api import NotApplicable, register, traceless
 from faultbench.detectors.blackbox.api import BlackBoxDetector, cuda_devices
+from faultbench.detectors.blackbox.batches import shown_pad_id
 from faultbench.detectors.blackbox.lm import CausalLM
 
 ROWS, LENGTH, MIN_LEN = 1, 12, 8  # a round probes one row of the loop's batch: up to 12 real tokens, at least 8
@@ -173,14 +174,6 @@ def real_block(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = No
     if length < MIN_LEN:
         raise ShortBatch(f"the batch's longest rows hold {length} real tokens: too few to probe")
     return torch.stack([r[:length] for r in real])
-
-
-def shown_pad_id(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int | None:
-    """The one id the batch holds where its mask is 0 (its padding), None without a mask, padding or a single id."""
-    if attention_mask is None:
-        return None
-    ids = torch.unique(input_ids[~attention_mask.bool()])
-    return int(ids[0]) if len(ids) == 1 else None
 
 
 def _strip(row: torch.Tensor, token: int) -> torch.Tensor:
