@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -355,6 +355,34 @@ def global_target_count_local(local_count: int, device: str = "cpu") -> int:
     return local_count
 
 
+@fault(
+    "b6_grad_norm_after_clip",
+    seam="model.train.clip_gradients",
+    title="The gradient norm is measured after clipping: the recorded norm never exceeds max_norm",
+    subsystem="optimizer",
+    trigger="always",
+    symptoms=("silent-quality",),
+    explanation="clip_gradients clips, then recomputes the norm of the already clipped gradients and returns "
+    "that. Every recorded grad norm is at most grad_clip, so clipping that fires on every step, gradient "
+    "spikes and the true scale of the gradients are invisible in the step records.",
+    fix="Record the total norm clip_grad_norm_ returns: the norm before clipping.",
+    references=(
+        "verl-project/verl#2282: grad_norm is reported before clipping; after clipping it would always be the "
+        "clip value",
+        "radixark/miles#2132: grad_norm is logged before clipping, not after (a post-clip norm never exceeds "
+        "clip_grad and hides that clipping fires every step)",
+        "pytorch/pytorch#1032: clip_grad_norm should return the total norm, to log whether clipping occurred",
+    ),
+    manifest=Manifest(check="grad_norm_ratio", steps=2, params={"min_ratio": 0.05, "max_ratio": 0.7}),
+)
+def clip_gradients_post_norm(model, optimizer, scaler, max_norm: float) -> float:
+    """The returned norm is that of the clipped gradients."""
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+    return float(norm)
+
+
 # ----------------------------------------------------------------------------------------------------- hf
 
 _LLAMA = "transformers.models.llama.modeling_llama"
@@ -473,64 +501,6 @@ def torch_call_packed(self, examples):
 
 
 @fault(
-    "b6_hf_attn_scale_hidden_size", target="hf", seam=f"{_LLAMA}.LlamaAttention.forward",
-    title="Attention scores scaled by 1/sqrt(hidden_size) instead of 1/sqrt(head_dim)",
-    subsystem="model", trigger="always", symptoms=("silent-quality",),
-    explanation="forward passes scaling=hidden_size ** -0.5 to the attention kernel: the scale of the whole "
-    "embedding instead of one head's. With 4 heads every attention logit is halved, the softmax is flatter "
-    "than intended and the model learns to attend sharply more slowly.",
-    fix="Scale by head_dim ** -0.5 (self.scaling), the dimension of the query and key vectors being dotted.",
-    references=(
-        "lucidrains/vit-pytorch#65: self.scale = dim ** -0.5 should be dim_head ** -0.5 (fixed)",
-        "FareedKhan-dev/train-llm-from-scratch#3: attention scaling should be 1/sqrt(head_size), not "
-        "1/sqrt(embedding_size)",
-        "Graylab/DL4Proteins-notebooks#12: attention uses the wrong scaling dimension (C ** -0.5)",
-    ),
-    manifest=Manifest(check="loss_above", steps=16, params={"min_gap": 0.02, "metric": "val"}),
-)
-def llama_attention_hidden_scale(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values: Cache | None = None,  # noqa: F821
-    **kwargs: Unpack[TransformersKwargs],  # noqa: F821
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax temperature uses the model width instead of the head width."""
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-
-    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)  # noqa: F821
-
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(  # noqa: F821
-        self.config._attn_implementation, eager_attention_forward  # noqa: F821
-    )
-
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.config.hidden_size**-0.5,
-        **kwargs,
-    )
-
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
-    return attn_output, attn_weights
-
-
-@fault(
     "b6_hf_resume_weights_skipped", target="hf", seam="transformers.trainer.Trainer._load_from_checkpoint",
     title="Resume finds no weights file under the name it looks for and silently keeps the fresh model",
     subsystem="checkpoint", trigger="on-resume", symptoms=("silent-quality",),
@@ -558,3 +528,24 @@ def load_from_checkpoint_skipped(self, resume_from_checkpoint: str, model: nn.Mo
         logger.warning(f"No weights file found at {legacy}; continuing with the current weights.")  # noqa: F821
         return
     model.load_state_dict(torch.load(legacy, map_location="cpu", weights_only=True))
+
+
+@fault(
+    "b6_hf_grad_norm_post_clip", target="hf", seam="transformers.trainer.Trainer._clip_grad_norm",
+    title="_clip_grad_norm reports the norm of the already clipped gradients",
+    subsystem="optimizer", trigger="always", symptoms=("silent-quality",),
+    explanation="The gradients are clipped to max_grad_norm, then their norm is measured again and that value "
+    "is returned (and logged as grad_norm). It never exceeds max_grad_norm: clipping that fires on every step "
+    "and gradient spikes disappear from the logs, while training itself is unchanged.",
+    fix="Return the total norm that clip_grad_norm_ computes before it rescales the gradients.",
+    references=(
+        "verl-project/verl#2282: grad_norm is reported before clipping; after clipping it would always be the "
+        "clip value",
+        "radixark/miles#2132: grad_norm is logged before clipping, not after",
+    ),
+    manifest=Manifest(check="grad_norm_ratio", steps=2, params={"min_ratio": 0.02, "max_ratio": 0.8}),
+)
+def clip_grad_norm_post(self, model):
+    """The returned norm is measured after clipping."""
+    self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+    return self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
