@@ -46,7 +46,8 @@ bench-mutants: setup
 # (benchmarks/blind2/, written at stop 22 after two ids of the first leaked into a progress line); BLIND=blind3 the
 # third (benchmarks/blind3/); BLIND=blind4 the fourth (benchmarks/blind4/, written at stop 24 after the third was
 # partly seen through a duplicates report); BLIND=blind5 the fifth (benchmarks/blind5/, written at stop 24 after a
-# review's whole-tree duplicates report hinted at the fourth set's seams).
+# review's whole-tree duplicates report hinted at the fourth set's seams); BLIND=blind6 the sixth
+# (benchmarks/blind6/, written at stop 25 after the same happened to the fifth).
 BLIND ?= blind
 bench-blind: setup
 	$(PY) -m faultbench bench --target all --plugin benchmarks/$(BLIND)/blind_faults.py --only-plugin-faults --blind \
