@@ -104,7 +104,81 @@ FACTS = {
     "pad_side": "config.data.pad_side",  # "left" | "right": where collate puts the pads
     "accum": "config.train.accum",  # micro-batches per optimizer step
     "device": "config.train.device",  # where the run trains ("cpu", "cuda"), as torch.device takes it
+    "bos_id": "tokenizer.bos_id",  # the id that opens each document
+    "eos_id": "tokenizer.eos_id",  # the id that closes each document
+    "unk_id": "tokenizer.unk_id",  # the unknown-token id
+    "seq_len": "config.data.seq_len",  # the longest document a batch holds, in tokens
+    "train_docs": "corpus.train",  # the training documents as the run tokenizes them (token-id lists; a prefix will do)
+    "val_docs": "corpus.val",  # the validation documents, likewise
+    "weight_decay": "config.train.weight_decay",  # the decoupled weight decay the user configured for matrices
+    "lr": "config.train.lr",  # the configured peak learning rate
+    "betas": "config.train.betas",  # the configured Adam betas
+    "eps": "config.train.eps",  # the configured Adam epsilon
+    "grad_clip": "config.train.grad_clip",  # the configured max gradient norm (0: no clipping)
+    "steps": "config.train.steps",  # the optimizer steps the run is configured for (the schedule's horizon)
+    # step -> the LR the user's configuration declares for that optimizer step, by the documented semantics of the
+    # stack's schedule option (computed by the target, not by the run's code); without it a detector falls back on
+    # the reference's documented warmup + cosine
+    "lr_schedule": "lr_schedule",
 }
+
+# The roles of any causal-LM training stack: what a component does, called one normalized way. A target offers
+# each role it has as a ``Role`` (``RunContext.roles``); a white-box detector probes roles, never a target's seam
+# names, and a finding about a role names the seam the role stands for. A role the run lacks makes the detector
+# (or the check that needs it) not applicable. The normalized calls:
+ROLES = {
+    "encode": "(text) -> the token ids the stack's tokenizer gives a document's text (its special tokens added, "
+              "nothing truncated)",
+    "truncate": "(ids: a document's token ids, max_len, eos_id) -> ids: at most max_len, the prefix kept, ending in "
+                "EOS where the document did",
+    "collate": "(docs: token-id lists, pad_id, side 'left'|'right') -> dict of (B, T) int64 tensors: input_ids, "
+               "attention_mask (1 on real tokens), labels (aligned with input_ids: the loss shifts; one ignore value "
+               "outside the vocabulary on pads and on each row's first real token, which no position predicts) and, "
+               "where the stack collates them, position_ids",
+    "documents": "the code that turns the corpus into token-id documents (not called: its output is the train_docs "
+                 "fact)",
+    "batches": "the code that draws a step's micro-batches and has them collated (not called)",
+    "forward": "(input_ids (B, T), attention_mask (B, T) or None, position_ids (B, T) or None) -> logits (B, T, V)",
+    "loss": "(logits (B, T, V), labels (B, T) as collate makes them, num_targets: int | None = None) -> the "
+            "next-token cross-entropy summed over the targets and divided by num_targets (default: the targets' count)",
+    "count_targets": "(labels (B, T)) -> int: the number of targets `loss` scores",
+    "position_ids": "(attention_mask (B, T) 0/1, past_len: int = 0) -> position ids (B, T - past_len) of the last "
+                    "columns: each row's real tokens counted 0, 1, ... from its first real token",
+    "attend": "(q (B, nh, T_q, hs), k, v (B, nh, T_k, hs), additive mask (B, 1, T_q, T_k) or None for plain causal, "
+              "dropout_p) -> softmax(q k^T / sqrt(hs) + mask) v (B, nh, T_q, hs)",
+    # a mask builder made of parts (FlexAttention-style mask functions: (b, h, q_idx, kv_idx) index tensors ->
+    # bool, True where the query may attend the key): where the run offers them, a broken mask is traced to one
+    "causal_mask_mod": "the mask function of causality: True where kv_idx <= q_idx",
+    "padding_mask_mod": "(attention_mask (B, T_k) bool, True on real tokens) -> the mask function: True where the "
+                        "key kv_idx of row b is real",
+    "and_mask_mods": "(*mask functions) -> the mask function of their intersection",
+    "causal_skip": "(attention_mask (B, T_k) 0/1, query_len) -> bool: whether the stack may attend plain causally "
+                   "without an explicit mask (exact only without padding)",
+    "split_of": "(document text, val_fraction) -> 'train' | 'val': the split a document belongs to",
+    "lr_at": "(step) -> the LR of that optimizer step by the run's schedule function at the configured settings",
+    "make_scheduler": "(optimizer) -> an LR scheduler built the run's way for that optimizer (stepped once per "
+                      "optimizer step)",
+    "train_step": "the code of one optimizer step: forwards and backwards of its micro-batches, clipping, the "
+                  "optimizer and scheduler steps, clearing the gradients (not called)",
+    "optimizer_step": "(optimizer, scaler, scheduler) -> whether the scaler skipped: step through the scaler, update "
+                      "it, advance the schedule once, clear the gradients",
+    "clip_gradients": "(model, optimizer, scaler, max_norm) -> the true pre-clip norm: unscale, then clip to max_norm",
+    "optimizer_groups": "the code that builds the optimizer and its param groups (read off the run's optimizer: "
+                        "not called)",
+    "decay_names": "(model) -> the names of the parameters the optimizer's groups decay",
+    "mask_builder": "(attention_mask (B, T_k) 0/1, query_len, dtype) -> the additive mask (B, 1, query_len, T_k) in "
+                    "dtype of the last query_len positions, or None where plain causal attention is exact",
+}
+
+
+@dataclass(frozen=True)
+class Role:
+    """A target's component for one of ``ROLES``: the seam it stands for and, where the seam's own call is not the
+    role's normalized one, ``adapt``: (run, the seam's live function) -> the role's callable. Resolved at each
+    ``RunContext.role`` call, so the callable runs the code the run runs (injected faults included)."""
+
+    seam: str
+    adapt: Callable[[Any, Callable], Callable] | None = None
 
 
 @dataclass
@@ -119,6 +193,7 @@ class RunContext:
     seams: dict[str, str] = field(default_factory=dict)  # the localization vocabulary: seam name -> subsystem
     golden: dict | None = None
     phase: str = "train"  # "train", "eval" (the end-of-run evaluation), "probe"
+    roles: dict[str, Role] = field(default_factory=dict)  # role (ROLES) -> the run's component for it
     _memo: dict = field(default_factory=dict, repr=False)
     _spans: Callable[[], list] = field(init=False, repr=False)
 
@@ -144,6 +219,22 @@ class RunContext:
         if value is _ABSENT:
             raise NotApplicable(f"this run does not offer its {name}")
         return value
+
+    def role(self, name: str) -> Callable:
+        """The run's component for the role ``name`` (``ROLES``), called the role's normalized way; under injection
+        the code the run executes. ``NotApplicable`` when the run offers no such role."""
+        if name not in ROLES:
+            raise ValueError(f"unknown role {name!r} (known: {', '.join(ROLES)})")
+        spec = self.roles.get(name)
+        if spec is None:
+            raise NotApplicable(f"this run offers no {name} role")
+        fn = self.seam(spec.seam)
+        return fn if spec.adapt is None else spec.adapt(self.run, fn)
+
+    def role_seam(self, name: str) -> str | None:
+        """The seam the run's ``name`` role stands for (what a finding about it names), None without the role."""
+        spec = self.roles.get(name)
+        return spec.seam if spec is not None else None
 
     def known_seam(self, name: str) -> str | None:
         """``name`` if it is in this run's seam table, else None: a finding names a seam only where the run has it."""
@@ -276,6 +367,9 @@ class Detector:
     needs_run: ClassVar[tuple[str, ...]] = ()
     needs_config: ClassVar[tuple[str, ...]] = ()
     needs_seams: ClassVar[tuple[str, ...]] = ()
+    # the general facts (``FACTS``) and roles (``ROLES``) it needs: what lets one detector serve every target
+    needs_facts: ClassVar[tuple[str, ...]] = ()
+    needs_roles: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self.findings: list[Finding] = []
@@ -294,19 +388,21 @@ class Detector:
             self._reported_keys.add(key)
             self.report(ctx, *args, **kwargs)
 
-    def require(self, ctx: RunContext, run=(), config=(), seams=()) -> None:
+    def require(self, ctx: RunContext, run=(), config=(), seams=(), facts=(), roles=()) -> None:
         """Raise ``NotApplicable`` naming every one of ``run`` (attribute paths of the run), ``config``
-        (attribute paths of its config) and ``seams`` (names) that this run lacks; a hook may call it for
-        what only some paths need."""
+        (attribute paths of its config), ``seams`` (names), ``facts`` (``FACTS``) and ``roles`` (``ROLES``) that
+        this run lacks; a hook may call it for what only some paths need."""
         missing = ([f"run.{p}" for p in run if _lookup(ctx.run, p) is _ABSENT]
                    + [f"config.{p}" for p in config if _lookup(ctx.config, p) is _ABSENT]
-                   + [f"seam {s}" for s in seams if s not in ctx.seams])
+                   + [f"seam {s}" for s in seams if s not in ctx.seams]
+                   + [f"fact {f}" for f in facts if not _offers(ctx, f)]
+                   + [f"role {r}" for r in roles if r not in ctx.roles])
         if missing:
             raise NotApplicable(f"this run has no {', '.join(missing)}")
 
     def check_applicable(self, ctx: RunContext) -> None:
         """``require`` of the declared needs; the suite calls it once, before the detector's first hook."""
-        self.require(ctx, self.needs_run, self.needs_config, self.needs_seams)
+        self.require(ctx, self.needs_run, self.needs_config, self.needs_seams, self.needs_facts, self.needs_roles)
 
     @property
     def fired(self) -> bool:
@@ -327,6 +423,14 @@ class Detector:
     def on_checkpoint_load(self, ctx: RunContext, path) -> None: ...
     def on_end(self, ctx: RunContext, metrics: dict) -> None: ...
     def on_crash(self, ctx: RunContext, crash: dict) -> None: ...
+
+
+def _offers(ctx: RunContext, fact: str) -> bool:
+    try:
+        ctx.fact(fact)
+    except NotApplicable:
+        return False
+    return True
 
 
 def _jsonable(value):

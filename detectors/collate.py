@@ -1,11 +1,13 @@
-"""Collate detectors: the run's ``collate`` probed with crafted documents against its documented contract.
+"""Collate detectors: the run's collate role probed with crafted documents against its contract.
 
-The contract (``model.data.collate``'s docstring and the data conventions): a dict of (B, T) int64
+The contract (the collate role of ``detectors.api.ROLES`` and the data conventions): a dict of (B, T) int64
 tensors with T at least the longest document (padding to a fixed length is a legitimate design);
 ``input_ids`` hold each document, in order, at the padding side's edge and ``pad_id`` elsewhere;
 ``attention_mask`` is 1 exactly on real tokens (also when nothing is padded);
 ``labels`` equal the input ids on real tokens after BOS and carry one ignore value, outside the
-vocabulary, on BOS and on every pad; ``position_ids`` count 0, 1, ... from each row's first real token.
+vocabulary, on every pad and on BOS (or BOS's own id: a shifted loss never scores a row's first label from a real
+position); ``position_ids``, where the stack collates them, count 0, 1, ... from
+each row's first real token.
 The probe runs at start on a padded batch and an unpadded one, with both padding sides, so the bugs
 that show only on the rare unpadded batch or only under left padding are found before step 0.
 """
@@ -17,9 +19,7 @@ import torch
 from faultbench.detectors import probes
 from faultbench.detectors.api import Detector, register
 
-COLLATE = "model.data.collate"
-POSITIONS = "model.rope.position_ids_from_mask"
-KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
+KEYS = ("input_ids", "attention_mask", "labels")  # and position_ids, where the stack collates them
 
 
 def crafted_batches(bos: int, eos: int, words: list[int]) -> dict[str, list[list[int]]]:
@@ -54,7 +54,7 @@ def collate_violations(collate, docs: list[list[int]], pad_id: int, side: str, v
         return out
     B, T = len(docs), max(len(d) for d in docs)
     tensors = {}
-    for key in KEYS:
+    for key in (*KEYS, *(("position_ids",) if "position_ids" in batch else ())):
         value = batch.get(key)
         if not isinstance(value, torch.Tensor):
             add("mask" if key == "attention_mask" else "structure",
@@ -100,9 +100,9 @@ def collate_violations(collate, docs: list[list[int]], pad_id: int, side: str, v
             if not torch.equal(lab[start + 1 : start + n], doc[1:]):
                 add("labels", f"{side}-padded row {row}: labels on the real tokens after BOS are not the input ids "
                     f"(labels {lab.tolist()}, document at columns {start}..{start + n - 1})")
-            off = ~real
-            off[start] = True  # BOS is never a target
-            ignore_values |= set(lab[off].tolist())
+            ignore_values |= set(lab[~real].tolist())
+            if int(lab[start]) != ids[0]:  # BOS is never a target: ignored, or (a stack's choice) itself
+                ignore_values.add(int(lab[start]))
         if "position_ids" in tensors:
             pos = tensors["position_ids"][row][start : start + n]
             if not torch.equal(pos, torch.arange(n)):
@@ -122,9 +122,8 @@ def collate_violations(collate, docs: list[list[int]], pad_id: int, side: str, v
 @register
 class CollateContract(Detector):
     id = "collate_contract"
-    needs_run = ("tokenizer.pad_id", "tokenizer.bos_id", "tokenizer.eos_id", "tokenizer.unk_id")
-    needs_config = ("model.vocab_size", "data.pad_side")
-    needs_seams = (COLLATE, POSITIONS)
+    needs_facts = ("pad_id", "bos_id", "eos_id", "unk_id", "vocab_size", "pad_side")
+    needs_roles = ("collate",)
     family = "collate"
     passive = False
     description = ("the run's collate on crafted documents (mixed lengths, unpadded, single; both pad sides): "
@@ -132,18 +131,19 @@ class CollateContract(Detector):
                    "positions 0..n-1")
 
     def on_start(self, ctx) -> None:
-        tok, vocab = ctx.run.tokenizer, ctx.config.model.vocab_size
-        specials = {tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id}
-        words = [i for i in range(4, min(vocab, tok.vocab_size)) if i not in specials][:40]
-        collate = ctx.seam(COLLATE)
+        pad, bos, eos, vocab, pad_side = (ctx.fact(f) for f in ("pad_id", "bos_id", "eos_id", "vocab_size",
+                                                                 "pad_side"))
+        specials = {pad, bos, eos, ctx.fact("unk_id")}
+        words = [i for i in range(4, vocab) if i not in specials][:40]
+        collate = ctx.role("collate")
         ignore_default = probes.default_ignore_index(collate)
         problems: dict[str, list[str]] = {}
         cases = []
-        sides = [ctx.config.data.pad_side] + [s for s in ("right", "left") if s != ctx.config.data.pad_side]
+        sides = [pad_side] + [s for s in ("right", "left") if s != pad_side]
         with ctx.probe():
             for side in sides:
-                for name, docs in crafted_batches(tok.bos_id, tok.eos_id, words).items():
-                    found = collate_violations(collate, docs, tok.pad_id, side, vocab, ignore_default)
+                for name, docs in crafted_batches(bos, eos, words).items():
+                    found = collate_violations(collate, docs, pad, side, vocab, ignore_default)
                     for kind, messages in found.items():
                         if kind not in problems:
                             cases.append(f"{name}/{side}")
@@ -151,7 +151,7 @@ class CollateContract(Detector):
                             problems[kind].append(f"[{name}, {side}] {messages[0]}")
             position_fault = self._positions_seam_at_fault(ctx, problems)
         if position_fault:
-            self.report(ctx, "position", POSITIONS,
+            self.report(ctx, "position", ctx.role_seam("position_ids"),
                         "collate's position ids are wrong and position_ids_from_mask gives the same wrong ids on a "
                         f"correct mask: {position_fault}", {"problems": problems}, confidence=0.8)
             problems.pop("positions")
@@ -160,19 +160,19 @@ class CollateContract(Detector):
         order = ("call", "structure", "mask", "width", "labels", "input_ids", "positions")
         kinds = [k for k in order if k in problems]
         first = problems[kinds[0]][0]
-        self.report(ctx, "collate", COLLATE, f"collate breaks its contract ({', '.join(kinds)}): {first}",
-                    {"problems": problems, "config_pad_side": ctx.config.data.pad_side, "first_cases": cases[:4]},
+        self.report(ctx, "collate", ctx.role_seam("collate"), f"collate breaks its contract ({', '.join(kinds)}): "
+                    f"{first}", {"problems": problems, "config_pad_side": pad_side, "first_cases": cases[:4]},
                     confidence=0.9)
 
     @staticmethod
     def _positions_seam_at_fault(ctx, problems) -> str | None:
         """If only the positions are wrong: does position_ids_from_mask itself miscount on a correct mask?"""
-        if set(problems) != {"positions"}:
+        if set(problems) != {"positions"} or "position_ids" not in ctx.roles:
             return None
         mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
         expected = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]])
         try:
-            got = ctx.seam(POSITIONS)(mask).cpu()
+            got = ctx.role("position_ids")(mask).cpu()
             real = torch.stack([got[0, :4], got[1, 2:], got[2, :4]])
         except Exception as exc:  # noqa: BLE001
             return f"it raised {type(exc).__name__}: {exc}"

@@ -22,23 +22,20 @@ import numpy as np
 import torch
 
 from faultbench.detectors import probes
-from faultbench.detectors.api import Detector, register
+from faultbench.detectors.api import Detector, NotApplicable, register
 
-TRUNCATE = "model.data.truncate"
 ENCODE = "model.tokenizer.Tokenizer.encode"
 ENCODE_BATCH = "model.tokenizer.Tokenizer.encode_batch"
 DECODE = "model.tokenizer.Tokenizer.decode"
-LOAD_CORPUS = "model.data.load_corpus"
-COLLATE = "model.data.collate"
-NEXT_MICRO_BATCHES = "model.train.next_micro_batches"
 
 def special_ids(tok) -> dict[str, int]:
     return {"pad": tok.pad_id, "bos": tok.bos_id, "eos": tok.eos_id, "unk": tok.unk_id}
 
 
-def ordinary_ids(tok, vocab: int, count: int, offset: int = 0) -> list[int]:
-    """``count`` ids that are not special tokens, cycling deterministically through the vocabulary."""
-    specials = set(special_ids(tok).values())
+def ordinary_ids(specials, vocab: int, count: int, offset: int = 0) -> list[int]:
+    """``count`` ids that are not special tokens (``specials``: their ids), cycling deterministically through the
+    vocabulary."""
+    specials = set(specials)
     pool = [i for i in range(vocab) if i not in specials]
     return [pool[(offset + 7 * k) % len(pool)] for k in range(count)]
 
@@ -47,11 +44,12 @@ def ordinary_ids(tok, vocab: int, count: int, offset: int = 0) -> list[int]:
 # corpus, truncation and tokenizer contracts (pure functions, unit-testable)
 
 
-def corpus_violations(docs, tok, seq_len: int, vocab: int, split: str) -> dict:
-    """Counts (and a few examples) of documents that break the ``[bos, ..., eos]``, <= seq_len convention.
+def corpus_violations(docs, specials: dict[str, int], seq_len: int, vocab: int, split: str) -> dict:
+    """Counts (and a few examples) of documents that break the ``[bos, ..., eos]``, <= seq_len convention
+    (``specials``: the pad, bos and eos ids).
 
     Vectorized over the concatenated split (tens of thousands of documents cost a few milliseconds)."""
-    bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
+    bos, eos, pad = specials["bos"], specials["eos"], specials["pad"]
     lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
     nonempty = lengths > 0
     flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int64, count=int(lengths.sum()))
@@ -182,31 +180,31 @@ def _tokenizer_finding(problems: dict[str, list[str]]) -> tuple[str, str, float]
 @register
 class CorpusInvariants(Detector):
     id = "corpus_invariants"
-    needs_run = ("corpus.train", "corpus.val", "tokenizer.pad_id", "tokenizer.bos_id", "tokenizer.eos_id")
-    needs_config = ("data.seq_len", "model.vocab_size")
-    needs_seams = (TRUNCATE,)
+    needs_facts = ("train_docs", "val_docs", "pad_id", "bos_id", "eos_id", "unk_id", "seq_len", "vocab_size")
     family = "data"
     passive = False
     description = ("every train/val example is [bos, ..., eos], <= seq_len, in the model's vocabulary; localized "
                    "by probing truncate's and the tokenizer's contracts")
 
     def on_start(self, ctx) -> None:
-        run, cfg = ctx.run, ctx.config
-        tok, seq_len, vocab = run.tokenizer, cfg.data.seq_len, cfg.model.vocab_size
+        seq_len, vocab = ctx.fact("seq_len"), ctx.fact("vocab_size")
+        specials = {k: ctx.fact(f"{k}_id") for k in ("pad", "bos", "eos", "unk")}
         found = {}
-        for split, docs in (("train", run.corpus.train), ("val", run.corpus.val)):
-            v = corpus_violations(docs, tok, seq_len, vocab, split)
+        for split in ("train", "val"):
+            v = corpus_violations(ctx.fact(f"{split}_docs"), specials, seq_len, vocab, split)
             if v["counts"]:
                 found[split] = v
         with ctx.probe():
-            words = ordinary_ids(tok, min(vocab, tok.vocab_size), 2 * seq_len + 4)
             trunc = []
-            for max_len in dict.fromkeys((seq_len, 8)):
-                trunc += truncate_violations(ctx.seam(TRUNCATE), max_len, tok.bos_id, tok.eos_id, words)
-            tok_problems = tokenizer_violations(tok, sample_texts(ctx)) if found else {}
+            if "truncate" in ctx.roles:
+                words = ordinary_ids(specials.values(), vocab, 2 * seq_len + 4)
+                for max_len in dict.fromkeys((seq_len, 8)):
+                    trunc += truncate_violations(ctx.role("truncate"), max_len, specials["bos"], specials["eos"],
+                                                 words)
+            tok_problems = self._tokenizer_problems(ctx) if found else {}
         evidence = {split: v for split, v in found.items()}
         if trunc:
-            self.report(ctx, "data", TRUNCATE, f"truncate breaks its contract: {'; '.join(trunc[:3])}",
+            self.report(ctx, "data", ctx.role_seam("truncate"), f"truncate breaks its contract: {'; '.join(trunc[:3])}",
                         {"truncate": trunc[:6], "corpus": evidence}, confidence=0.9)
         if not found:
             return
@@ -217,11 +215,41 @@ class CorpusInvariants(Detector):
             seam, message, conf = tokenizer
             self.report(ctx, "data", seam, f"corpus examples break [bos, ..., eos] ({summary}); {message}",
                         {"corpus": evidence, "tokenizer": tok_problems}, confidence=conf)
+        elif (wrapping := self._encode_problem(ctx, specials)) and set(kinds) & {"no_bos", "no_eos", "special_inside"}:
+            self.report(ctx, "data", ctx.role_seam("encode"), f"corpus examples break [bos, ..., eos] ({summary}); "
+                        f"{wrapping}", {"corpus": evidence}, confidence=0.8)
         elif not trunc or set(kinds) - {"no_eos", "too_long"}:
-            self.report(ctx, "data", LOAD_CORPUS,
-                        f"corpus examples break the [bos, ..., eos] <= seq_len={seq_len} convention ({summary}) "
-                        "although truncate and the tokenizer pass their probes", {"corpus": evidence},
-                        confidence=0.6)
+            checked = " although truncate and the tokenizer pass their probes" if "truncate" in ctx.roles else ""
+            self.report(ctx, "data", ctx.role_seam("documents"),
+                        f"corpus examples break the [bos, ..., eos] <= seq_len={seq_len} convention ({summary})"
+                        f"{checked}", {"corpus": evidence}, confidence=0.6)
+
+    # texts of any kind: what a tokenizer adds around a document does not depend on it
+    ENCODE_PROBES = ("a short document", "another one, with more words in it")
+
+    def _encode_problem(self, ctx, specials: dict[str, int]) -> str | None:
+        """How the run's encode role wraps a text, where not as [bos, ..., eos] (None: it does, or no role)."""
+        if "encode" not in ctx.roles:
+            return None
+        with ctx.probe():
+            for text in self.ENCODE_PROBES:
+                try:
+                    ids = list(ctx.role("encode")(text))
+                except Exception as exc:  # noqa: BLE001 - raising on a text breaks the contract
+                    return f"the tokenizer raises on a text ({type(exc).__name__})"
+                inner = set(ids[1:-1]) & {specials["bos"], specials["eos"], specials["pad"]}
+                if len(ids) < 2 or ids[0] != specials["bos"] or ids[-1] != specials["eos"] or inner:
+                    return (f"the tokenizer itself wraps {text!r} as head {ids[:2]}, tail {ids[-2:]} (bos "
+                            f"{specials['bos']}, eos {specials['eos']})")
+        return None
+
+    def _tokenizer_problems(self, ctx) -> dict[str, list[str]]:
+        """The reference tokenizer's contracts (encode, encode_batch, decode), where the run has that tokenizer."""
+        try:
+            self.require(ctx, run=("tokenizer.encode_batch",), seams=(ENCODE, ENCODE_BATCH, DECODE))
+        except NotApplicable:
+            return {}
+        return tokenizer_violations(ctx.run.tokenizer, sample_texts(ctx))
 
 
 @register
@@ -289,10 +317,10 @@ class BatchSpecialIds(probes.BatchWatch):
         mask = batch.get("attention_mask")
         real_bad = bool(out_of_range[mask.bool()].any()) if isinstance(mask, torch.Tensor) else True
         if docs is None or real_bad:
-            seam = ctx.known_seam(LOAD_CORPUS) if real_bad and docs is not None else None
+            seam = ctx.role_seam("documents") if real_bad and docs is not None else None
             self.report(ctx, "data", seam, f"{what}; the offending ids sit on real tokens", evidence, confidence=0.5)
             return
-        if COLLATE not in ctx.seams:  # no collate of the run to tell it from its caller
+        if "collate" not in ctx.roles:  # no collate of the run to tell it from its caller
             self.report(ctx, "collate", None, what, evidence, confidence=0.4)
             return
 
@@ -305,10 +333,10 @@ class BatchSpecialIds(probes.BatchWatch):
             collate_ok, evidence["collate_error"] = False, error
         evidence["collate_with_pad_id_ok"] = collate_ok
         if collate_ok:
-            self.report(ctx, "data", NEXT_MICRO_BATCHES,
+            self.report(ctx, "data", ctx.role_seam("batches"),
                         f"{what}; the run's collate called with tokenizer.pad_id pads correctly, so its caller "
                         "passed the wrong pad id", evidence, confidence=0.8)
         else:
-            self.report(ctx, "collate", COLLATE,
+            self.report(ctx, "collate", ctx.role_seam("collate"),
                         f"{what}; the run's collate pads wrongly even when given tokenizer.pad_id", evidence,
                         confidence=0.8)

@@ -25,7 +25,6 @@ COLLATE = "model.data.collate"
 LM_LOSS = "model.loss.lm_loss"
 COUNT_TARGETS = "model.loss.count_targets"
 AUTOCAST = "model.precision.autocast_context"
-SPLIT_OF = "model.corpus.split_of"
 PROBE_DOCS = 48
 PROBE_BATCH = 16
 REL_TOL = 1e-3
@@ -168,8 +167,7 @@ class EvalContract(Detector):
 @register
 class SplitOverlap(Detector):
     id = "split_overlap"
-    needs_run = ("corpus.train", "corpus.val", "tokenizer.pad_id")
-    needs_seams = (SPLIT_OF,)
+    needs_facts = ("train_docs", "val_docs")
     family = "eval"
     passive = False
     description = ("no validation document is a training document; the run's split_of assigns the corpus's val "
@@ -183,16 +181,35 @@ class SplitOverlap(Detector):
         return self._summary
 
     def on_start(self, ctx) -> None:
-        corpus, tok, cfg = ctx.run.corpus, ctx.run.tokenizer, ctx.config
-        train = set(corpus.train)
-        overlap = sum(doc in train for doc in corpus.val)
-        evidence = {"val_docs": len(corpus.val), "val_docs_in_train": overlap, "train_docs": len(corpus.train)}
+        train_docs, val_docs = ctx.fact("train_docs"), ctx.fact("val_docs")
+        train = set(map(tuple, train_docs))
+        overlap = sum(tuple(doc) in train for doc in val_docs)
+        evidence = {"val_docs": len(val_docs), "val_docs_in_train": overlap, "train_docs": len(train_docs)}
+        wrong, wrong_count, checked = self._split_of_disagreements(ctx, train_docs, val_docs)
+        evidence.update(split_of_checked=checked, wrong_split=wrong, wrong_count=wrong_count)
+        self._summary = {k: evidence[k] for k in ("val_docs_in_train", "split_of_checked", "wrong_count")}
+        if wrong_count >= 3:
+            self.report(ctx, "eval", ctx.role_seam("split_of"),
+                        f"split_of disagrees with the corpus's split on {wrong_count} of {checked} documents; "
+                        f"{overlap} of {len(val_docs)} val documents are also in train", evidence, confidence=0.8)
+        elif overlap >= max(2, 0.01 * len(val_docs)):
+            self.report(ctx, "eval", None,
+                        f"{overlap} of {len(val_docs)} val documents are also training documents"
+                        + (" although split_of looks deterministic" if checked else ""), evidence, confidence=0.5)
+
+    @staticmethod
+    def _split_of_disagreements(ctx, train_docs, val_docs) -> tuple[list[dict], int, int]:
+        """(examples, count, checked): documents the run's split_of role assigns to the other split, of those whose
+        text round-trips through the run's tokenizer; nothing checked without the role."""
+        if "split_of" not in ctx.roles:
+            return [], 0, 0
+        tok, cfg = ctx.run.tokenizer, ctx.config
         fraction = cfg.data.val_fraction
-        split_of = ctx.seam(SPLIT_OF)
-        seq_len = cfg.data.seq_len
+        split_of = ctx.role("split_of")
+        seq_len = ctx.fact("seq_len")
         wrong, wrong_count, checked = [], 0, 0
         with ctx.probe():  # split_of may draw random numbers: the probe restores the RNGs
-            for split, docs in (("val", corpus.val[:200]), ("train", corpus.train[:200])):
+            for split, docs in (("val", val_docs[:200]), ("train", train_docs[:200])):
                 for doc in docs:
                     if not 3 <= len(doc) < seq_len:
                         continue
@@ -206,13 +223,4 @@ class SplitOverlap(Detector):
                         wrong_count += 1
                         if len(wrong) < 3:
                             wrong.append({"text": text[:40], "split_of": answer, "corpus_split": split})
-        evidence.update(split_of_checked=checked, wrong_split=wrong, wrong_count=wrong_count)
-        self._summary = {k: evidence[k] for k in ("val_docs_in_train", "split_of_checked", "wrong_count")}
-        if wrong_count >= 3:
-            self.report(ctx, "eval", SPLIT_OF,
-                        f"split_of disagrees with the corpus's split on {wrong_count} of {checked} documents; "
-                        f"{overlap} of {len(corpus.val)} val documents are also in train", evidence, confidence=0.8)
-        elif overlap >= max(2, 0.01 * len(corpus.val)):
-            self.report(ctx, "eval", None,
-                        f"{overlap} of {len(corpus.val)} val documents are also training documents although "
-                        "split_of looks deterministic", evidence, confidence=0.5)
+        return wrong, wrong_count, checked

@@ -23,8 +23,6 @@ import torch
 from faultbench.detectors import probes
 from faultbench.detectors.api import Detector, register
 
-LM_LOSS = "model.loss.lm_loss"
-COUNT_TARGETS = "model.loss.count_targets"
 FORWARD_LOSS = "model.train.forward_loss"
 TRAIN_STEP = "model.train.train_step"
 
@@ -43,15 +41,18 @@ def reference_loss(logits: torch.Tensor, labels: torch.Tensor, ignore: int, num_
 
 
 def probe_batch(ctx) -> dict | None:
-    """A small batch collated by the run (documents of increasing, distinct lengths), or None if collate fails."""
+    """A small batch collated by the run (documents of increasing, distinct lengths); None if collate fails or its
+    labels hold no ignore value (every pad a target: the loss cannot be judged on them; collate's contract can)."""
     try:
-        return probes.probe_batch(ctx)
+        batch = probes.probe_batch(ctx)
     except Exception:
         return None
+    ignore = probes.ignore_value(batch["labels"].cpu(), batch["attention_mask"].cpu())
+    return None if 0 <= ignore < _vocab(ctx) else batch
 
 
 def _vocab(ctx) -> int:
-    return int(ctx.config.model.vocab_size)
+    return int(ctx.fact("vocab_size"))
 
 
 def lm_loss_problems(ctx) -> dict | None:
@@ -67,7 +68,7 @@ def _lm_loss_problems(ctx) -> dict | None:
         return None
     labels, mask = batch["labels"].cpu(), batch["attention_mask"].cpu()
     ignore = probes.ignore_value(labels, mask)
-    lm_loss = ctx.seam(LM_LOSS)
+    lm_loss = ctx.role("loss")
     V = _vocab(ctx)
     B, T = labels.shape
     n = int((labels[:, 1:] != ignore).sum())
@@ -166,7 +167,7 @@ def _forward_loss_problems(ctx) -> dict | None:
     precision = ctx.config.train.precision
     ignore = probes.ignore_value(batch["labels"].cpu(), batch["attention_mask"].cpu())
     n = int((batch["labels"][:, 1:] != ignore).sum())
-    lm_loss = ctx.seam(LM_LOSS)
+    lm_loss = ctx.role("loss")
     forward_loss = ctx.seam(FORWARD_LOSS)
     autocast = ctx.seam("model.precision.autocast_context")
     device_type = batch["input_ids"].device.type
@@ -231,9 +232,8 @@ def _row_diagnosis(forward_loss, model, batch: dict, n: int, prec: str, got: flo
 @register
 class LossContract(Detector):
     id = "loss_contract"
-    needs_run = ("corpus.train", "tokenizer.pad_id")
-    needs_config = ("model.vocab_size", "data.pad_side", "train.device")
-    needs_seams = (LM_LOSS, COUNT_TARGETS)
+    needs_facts = ("train_docs", "seq_len", "pad_id", "vocab_size", "pad_side", "device")
+    needs_roles = ("collate", "loss", "count_targets")
     family = "loss"
     passive = False
     description = ("lm_loss / count_targets on crafted logits and a collated batch: next-token shift, ignore value, "
@@ -247,16 +247,17 @@ class LossContract(Detector):
         ignore = probes.ignore_value(labels, mask)
         want = int((labels[:, 1:] != ignore).sum())
         try:
-            got = int(ctx.seam(COUNT_TARGETS)(labels))
+            got = int(ctx.role("count_targets")(labels))
         except Exception as exc:
             got = f"raises {type(exc).__name__}"
         if got != want:
-            self.report(ctx, "loss", COUNT_TARGETS,
+            self.report(ctx, "loss", ctx.role_seam("count_targets"),
                         f"count_targets = {got} on a collated batch with {want} labels != {ignore} after the shift",
                         {"got": got, "expected": want, "ignore_value": ignore}, confidence=0.9)
         result = lm_loss_problems(ctx)
         if result and result["problems"]:
-            self.report(ctx, "loss", LM_LOSS, "lm_loss breaks its contract: " + "; ".join(result["problems"].values()),
+            self.report(ctx, "loss", ctx.role_seam("loss"),
+                        "the loss breaks its contract: " + "; ".join(result["problems"].values()),
                         {**result["evidence"], "failed": sorted(result["problems"])}, confidence=0.9)
 
 
@@ -265,7 +266,8 @@ class ForwardLossContract(Detector):
     id = "forward_loss_contract"
     needs_run = ("corpus.train", "tokenizer.pad_id")
     needs_config = ("model.vocab_size", "train.precision", "train.device")
-    needs_seams = (LM_LOSS, FORWARD_LOSS)
+    needs_roles = ("collate", "loss")
+    needs_seams = (FORWARD_LOSS,)
     family = "loss"
     passive = False
     description = "forward_loss(model, batch, n) == lm_loss(model logits, batch labels, n), and scales as 1/n"
@@ -286,7 +288,8 @@ class LogitGradScale(Detector):
     id = "logit_grad_scale"
     needs_run = ("corpus.train", "tokenizer.pad_id")
     needs_config = ("model.vocab_size", "train.precision", "train.device")
-    needs_seams = (LM_LOSS, FORWARD_LOSS, TRAIN_STEP)
+    needs_roles = ("collate", "loss")
+    needs_seams = (FORWARD_LOSS, TRAIN_STEP)
     family = "loss"
     passive = True
     description = ("d(loss)/d(logits) per target row has L1 <= 2*scale/N (N: the step's targets) and is zero on rows "

@@ -12,7 +12,8 @@ Three probes, all at ``on_start`` on crafted inputs (no training step needed):
 - ``padding_invariance`` scores each document alone and inside a left- and a right-padded batch: the
   logits of its real tokens must not depend on the padding its batch needed.
 
-Everything reaches the run through the context (``ctx.seam``, ``ctx.run``); nothing imports the reference.
+Everything reaches the run through the context (its roles and facts); nothing imports the reference. Where the
+run lacks a role a diagnosis would probe (``attend``, ``position_ids``), the finding says less about where.
 """
 
 from __future__ import annotations
@@ -25,10 +26,7 @@ from faultbench.detectors import probes
 from faultbench.detectors.api import Detector, register
 from faultbench.detectors.probes import attend_diagnosis
 
-BUILD_MASK = "model.attention.build_attention_mask"
-ATTEND = "model.attention.attend"
-GPT_FORWARD = "model.gpt.GPT.forward"
-POSITIONS = "model.rope.position_ids_from_mask"
+GPT_FORWARD = "model.gpt.GPT.forward"  # the reference's forward: the masks its attention modules receive
 
 # The crafted masks of the contract probe: (attention_mask rows, query_len, what it stands for).
 LEFT_PADDED = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]]
@@ -148,7 +146,7 @@ def positions_problem(fn, device) -> str | None:
 def _probe_docs(ctx, count: int = 4, max_len: int = 24) -> list[list[int]]:
     """``count`` training documents of distinct lengths between 8 and ``max_len`` tokens (from 4 tokens
     when the corpus has fewer than ``count`` such lengths)."""
-    lengths = {len(doc) for doc in ctx.run.corpus.train[:2000] if 8 <= len(doc) <= max_len}
+    lengths = {len(doc) for doc in ctx.fact("train_docs")[:2000] if 8 <= len(doc) <= max_len}
     return probes.sample_docs(ctx, count, max_len=max_len, min_len=8 if len(lengths) >= count else 4)
 
 
@@ -160,6 +158,56 @@ def report_raise(detector, ctx, exc: BaseException, what: str) -> None:
                     evidence={"seam_on_traceback": seam}, confidence=0.6 if seam else 0.4)
 
 
+def diagnose(ctx, role: str, check):
+    """``check(the run's role)`` (its problems), or None where the run offers no such role."""
+    return check(ctx.role(role)) if role in ctx.roles else None
+
+
+def broken_mask_part(ctx) -> tuple[str, str] | None:
+    """(role, problem) of the first part of the run's mask builder that breaks its contract, of those it offers as
+    roles (mask functions and the causal skip; ``detectors.api.ROLES``), on a left-padded batch of 2 x 6; None
+    where each offered part keeps it, or none is offered."""
+    T = 6
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    b, h = torch.arange(2).view(2, 1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    q, kv = torch.arange(T).view(1, 1, T, 1), torch.arange(T).view(1, 1, 1, T)
+    causal = (kv <= q).expand(2, 1, T, T)
+    padding = mask[b, kv].expand(2, 1, T, T)
+    checks = {
+        "causal_mask_mod": lambda fn: (fn(b, h, q, kv), causal),
+        "padding_mask_mod": lambda fn: (fn(mask)(b, h, q, kv), padding),
+        "and_mask_mods": lambda fn: (fn(lambda b_, h_, q_, kv_: kv_ <= q_, lambda b_, h_, q_, kv_: mask[b_, kv_])(
+            b, h, q, kv), causal & padding),
+    }
+    for role, check in checks.items():
+        if role not in ctx.roles:
+            continue
+        try:
+            got, want = check(ctx.role(role))
+            wrong = int((torch.as_tensor(got).bool().expand_as(want) != want).sum())
+        except Exception as exc:  # noqa: BLE001 - raising on a documented input breaks the contract
+            return role, f"{role} raises {type(exc).__name__}: {str(exc)[:120]}"
+        if wrong:
+            return role, f"{role} is wrong on {wrong} of {want.numel()} (query, key) pairs of a left-padded batch"
+    if "causal_skip" in ctx.roles:
+        try:
+            if ctx.role("causal_skip")(mask.long(), T):
+                return "causal_skip", "causal_skip drops the explicit mask of a left-padded batch"
+        except Exception as exc:  # noqa: BLE001
+            return "causal_skip", f"causal_skip raises {type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
+def report_mask(detector, ctx, message: str, evidence: dict, confidence: float) -> None:
+    """A finding that the run's mask builder breaks its contract, at the broken part where the run shows it."""
+    part = broken_mask_part(ctx)
+    if part is not None:
+        evidence = {**evidence, "broken_part": part[1]}
+        message = f"{message}; {part[1]}"
+    detector.report(ctx, "mask", ctx.role_seam(part[0] if part else "mask_builder"), message, evidence,
+                    confidence=confidence)
+
+
 def _autocast(ctx):
     precision = ctx.config.train.precision
     return ctx.seam("model.precision.autocast_context")(precision, probes.device_type(ctx))
@@ -168,9 +216,8 @@ def _autocast(ctx):
 @register
 class MaskContract(Detector):
     id = "mask_contract"
-    needs_run = ("corpus.train", "tokenizer.pad_id")
-    needs_config = ("train.precision", "train.device", "model.n_layer", "data.seq_len")
-    needs_seams = (BUILD_MASK, GPT_FORWARD)
+    needs_facts = ("device",)
+    needs_roles = ("mask_builder",)
     family = "mask"
     passive = False
     description = ("build_attention_mask on crafted left-padded / cached masks in fp32, bf16, fp16 (and the mask the "
@@ -179,23 +226,23 @@ class MaskContract(Detector):
 
     def on_start(self, ctx) -> None:
         device = probes.device(ctx)
-        build = ctx.seam(BUILD_MASK)
-        failures = check_build_mask(build, device)
+        failures = check_build_mask(ctx.role("mask_builder"), device)
         if failures:
             first = next(iter(failures.items()))
-            self.report(ctx, "mask", BUILD_MASK,
-                        f"build_attention_mask breaks its contract ({len(failures)} of {len(CONTRACT_CASES) * 3} "
-                        f"cases): {first[0]}: {'; '.join(first[1])}",
-                        evidence={"failures": {k: v for k, v in list(failures.items())[:6]}}, confidence=0.9)
+            report_mask(self, ctx, f"the mask builder breaks its contract ({len(failures)} of "
+                        f"{len(CONTRACT_CASES) * 3} cases): {first[0]}: {'; '.join(first[1])}",
+                        {"failures": {k: v for k, v in list(failures.items())[:6]}}, confidence=0.9)
             return
-        self._check_received(ctx)
+        if ctx.known_seam(GPT_FORWARD):
+            self._check_received(ctx)
 
     def _check_received(self, ctx) -> None:
-        """The builder is right: does the model hand the attention modules what it builds?"""
-        tok = ctx.run.tokenizer
+        """The builder is right: does the reference's model hand its attention modules what it builds?"""
+        self.require(ctx, run=("corpus.train", "tokenizer.pad_id"),
+                     config=("train.precision", "train.device", "model.n_layer", "data.seq_len"))
         docs = _probe_docs(ctx, 3, max_len=16)
         device = probes.device(ctx)
-        ids, attention_mask = probes.pad(docs, tok.pad_id, device)
+        ids, attention_mask = probes.pad(docs, ctx.fact("pad_id"), device)
         problems: dict[str, list[str]] = {}
         with ctx.probe() as model:
             runs = [("fp32", torch.float32, None)]
@@ -274,9 +321,8 @@ class _ProbedTwice(Detector, abc.ABC):
 @register
 class CausalityProbe(_ProbedTwice):
     id = "causality_probe"
-    needs_run = ("corpus.train", "tokenizer.pad_id")
-    needs_config = ("train.device", "data.seq_len")
-    needs_seams = (BUILD_MASK, ATTEND)
+    needs_facts = ("train_docs", "pad_id", "vocab_size", "device")
+    needs_roles = ("forward",)
     family = "mask"
     passive = False
     description = ("perturb the tokens after t: logits at <= t must not move, on the mask-free path (no padding) "
@@ -284,13 +330,13 @@ class CausalityProbe(_ProbedTwice):
     PROBED = "a causality probe (unpadded and left-padded batches)"
 
     def _probe(self, ctx) -> None:
-        tok = ctx.run.tokenizer
         device = probes.device(ctx)
-        vocab = tok.vocab_size
+        vocab = ctx.fact("vocab_size")
         docs = _probe_docs(ctx, 4, max_len=24)
         width = min(len(d) for d in docs)
         leaks = {}
-        with ctx.probe() as model:
+        with ctx.probe():
+            model = ctx.role("forward")
             # mask-free path: every row real, the same length
             ids = torch.tensor([d[:width] for d in docs], device=device)
             t = width // 2
@@ -304,7 +350,7 @@ class CausalityProbe(_ProbedTwice):
             keep[:, : t + 1] = True
             leaks["unpadded"] = _leak(a, b, keep)
             # explicit-mask path: left padding
-            ids, attention_mask = probes.pad(docs, tok.pad_id, device)
+            ids, attention_mask = probes.pad(docs, ctx.fact("pad_id"), device)
             width = ids.shape[1]
             t = width - 4
             perturbed = ids.clone()
@@ -318,41 +364,44 @@ class CausalityProbe(_ProbedTwice):
         if not (none_leak or mask_leak):
             return
         evidence = {"relative_logit_change": leaks, "unpadded_batch_used_mask_free_path": none_path}
-        mask_failures = check_build_mask(ctx.seam(BUILD_MASK), device, CONTRACT_CASES[:1], (torch.float32,))
+        mask_failures = diagnose(ctx, "mask_builder",
+                                 lambda build: check_build_mask(build, device, CONTRACT_CASES[:1], (torch.float32,)))
         if mask_leak and mask_failures:
             evidence["mask_problems"] = mask_failures
-            self.report(ctx, "mask", BUILD_MASK, "future tokens change earlier logits with left padding, and "
-                        "build_attention_mask lets queries see what they must not", evidence, confidence=0.8)
-        elif attend := attend_diagnosis(ctx.seam(ATTEND), device):
+            report_mask(self, ctx, "future tokens change earlier logits with left padding, and the mask builder lets "
+                        "queries see what they must not", evidence, confidence=0.8)
+        elif attend := diagnose(ctx, "attend", lambda fn: attend_diagnosis(fn, device)):
             evidence["attend"] = attend["cases"]
-            self.report(ctx, attend["subsystem"], ATTEND, "future tokens change earlier logits although the mask "
-                        f"builder is right; attend breaks its contract on the {attend['case']}: {attend['problem']}",
-                        evidence, confidence=0.75)
+            self.report(ctx, attend["subsystem"], ctx.role_seam("attend"), "future tokens change earlier logits "
+                        f"although the mask builder is right; attend breaks its contract on the {attend['case']}: "
+                        f"{attend['problem']}", evidence, confidence=0.75)
         else:
-            self.report(ctx, "model" if mask_leak else "mask", None, "future tokens change earlier logits although "
-                        "build_attention_mask and attend keep their contracts", evidence, confidence=0.4)
+            checked = [r for r in ("mask_builder", "attend") if r in ctx.roles]
+            self.report(ctx, "model" if mask_leak and len(checked) == 2 else "mask", None,
+                        "future tokens change earlier logits although "
+                        + (f"{' and '.join(checked)} keep their contracts" if checked else "nothing else was checked"),
+                        evidence, confidence=0.4)
 
 
 @register
 class PaddingInvariance(_ProbedTwice):
     id = "padding_invariance"
-    needs_run = ("corpus.train", "tokenizer.pad_id")
-    needs_config = ("train.device", "data.seq_len")
-    needs_seams = (BUILD_MASK, POSITIONS, ATTEND)
+    needs_facts = ("train_docs", "pad_id", "device")
+    needs_roles = ("forward",)
     family = "mask"
     passive = False
     description = "each document alone vs inside a left- and a right-padded batch: its real-token logits must match"
     PROBED = "a document alone or in a padded batch"
 
     def _probe(self, ctx) -> None:
-        tok = ctx.run.tokenizer
         device = probes.device(ctx)
         docs = _probe_docs(ctx, 4, max_len=24)
         gaps = {}
-        with ctx.probe() as model:
+        with ctx.probe():
+            model = ctx.role("forward")
             alone = [model(torch.tensor([d], device=device)).float()[0] for d in docs]
             for side in ("left", "right"):
-                ids, attention_mask = probes.pad(docs, tok.pad_id, device, side)
+                ids, attention_mask = probes.pad(docs, ctx.fact("pad_id"), device, side)
                 batched = model(ids, attention_mask).float()
                 worst = 0.0
                 for row in range(len(docs)):
@@ -367,24 +416,25 @@ class PaddingInvariance(_ProbedTwice):
         if not bad:
             return
         evidence = {"relative_logit_gap": gaps}
-        mask_failures = check_build_mask(ctx.seam(BUILD_MASK), device, CONTRACT_CASES[:1], (torch.float32,))
-        positions = positions_problem(ctx.seam(POSITIONS), device)
-        attend = attend_diagnosis(ctx.seam(ATTEND), device)
+        mask_failures = diagnose(ctx, "mask_builder",
+                                 lambda build: check_build_mask(build, device, CONTRACT_CASES[:1], (torch.float32,)))
+        positions = diagnose(ctx, "position_ids", lambda fn: positions_problem(fn, device))
+        attend = diagnose(ctx, "attend", lambda fn: attend_diagnosis(fn, device))
         what = f"a document's real-token logits change when it is {' and '.join(bad)}-padded in a batch"
         if "left" in bad and mask_failures:
             evidence["mask_problems"] = mask_failures
-            self.report(ctx, "mask", BUILD_MASK, f"{what}; build_attention_mask lets real tokens see pads or the "
-                        "future", evidence, confidence=0.8)
+            report_mask(self, ctx, f"{what}; the mask builder lets real tokens see pads or the future", evidence,
+                        confidence=0.8)
         elif "left" in bad and positions:
             evidence["positions"] = positions
-            self.report(ctx, "position", POSITIONS, f"{what}; left padding moves the positions", evidence,
-                        confidence=0.75)
+            self.report(ctx, "position", ctx.role_seam("position_ids"), f"{what}; left padding moves the positions",
+                        evidence, confidence=0.75)
         elif attend:
             evidence["attend"] = attend["cases"]
-            self.report(ctx, attend["subsystem"], ATTEND, f"{what}; attend breaks its contract on the "
+            self.report(ctx, attend["subsystem"], ctx.role_seam("attend"), f"{what}; attend breaks its contract on the "
                         f"{attend['case']}: {attend['problem']}", evidence, confidence=0.7)
         elif bad == ["right"]:
-            self.report(ctx, "mask", ATTEND, f"{what}, while the left-padded (explicit mask) batch is fine: the "
-                        "mask-free path lets real tokens see the pads after them", evidence, confidence=0.6)
+            self.report(ctx, "mask", ctx.role_seam("attend"), f"{what}, while the left-padded (explicit mask) batch is "
+                        "fine: the mask-free path lets real tokens see the pads after them", evidence, confidence=0.6)
         else:
             self.report(ctx, "mask", None, what, evidence, confidence=0.4)

@@ -1,7 +1,9 @@
 """Optimizer detectors: AdamW's parameter groups, the learning-rate schedule, and gradient hygiene.
 
 - ``optimizer_config`` (on_start, on_checkpoint_load): every trainable parameter in exactly one param
-  group; lr / betas / eps as configured; weight decay only on >= 2-D non-embedding weights.
+  group; lr / betas / eps as configured; the configured weight decay on >= 2-D weights, none on 1-D ones
+  (biases, norm gains); embeddings either (stacks differ: the reference spares them, Trainer decays them).
+  Where the run offers its decay rule as a role (``decay_names``), a wrong decay is traced to it.
 - ``lr_schedule`` (on_start probes, on_before_step / on_after_step checks): the learning rate of step s
   must be the configured linear warmup + cosine decay (computed here from the config's documented
   semantics, cross-checked with the golden runs). Localized by differential probes: the run's
@@ -26,11 +28,8 @@ import math
 import torch
 
 from faultbench.detectors import probes
-from faultbench.detectors.api import Detector, register
+from faultbench.detectors.api import Detector, NotApplicable, register
 
-CONFIGURE = "model.optim.configure_optimizer"
-LR_AT = "model.optim.lr_at"
-MAKE_SCHEDULER = "model.optim.make_scheduler"
 OPTIMIZER_STEP = "model.train.optimizer_step"
 CLIP = "model.train.clip_gradients"
 TRAIN_STEP = "model.train.train_step"
@@ -64,8 +63,8 @@ def probe_optimizer_step(ctx, enabled_scaler: bool = False) -> dict:
 
 
 def _probe_optimizer_step(ctx, enabled_scaler: bool) -> dict:
-    fn = ctx.seam(OPTIMIZER_STEP)
-    device = ctx.config.train.device
+    fn = ctx.role("optimizer_step")
+    device = probes.device(ctx)
     out: dict = {"error": None}
     p = torch.nn.Parameter(torch.ones(4, device=device))
     opt = torch.optim.SGD([p], lr=0.1)
@@ -107,13 +106,13 @@ def _probe_optimizer_step(ctx, enabled_scaler: bool) -> dict:
     return out
 
 
-def scheduler_lrs(make_scheduler, tcfg, horizon: int) -> list[float]:
-    """The lr of each of ``horizon`` steps from a fresh scheduler on a throwaway optimizer (lr = tcfg.lr),
-    stepped once per optimizer step."""
+def scheduler_lrs(make_scheduler, lr: float, horizon: int) -> list[float]:
+    """The lr of each of ``horizon`` steps from a fresh scheduler (``make_scheduler(optimizer)``) on a throwaway
+    optimizer of base ``lr``, stepped once per optimizer step."""
     with probes.quiet():
         p = torch.nn.Parameter(torch.zeros(1))
-        opt = torch.optim.SGD([p], lr=tcfg.lr)
-        sched = make_scheduler(opt, tcfg)
+        opt = torch.optim.SGD([p], lr=lr)
+        sched = make_scheduler(opt)
         got = []
         for _ in range(horizon):
             got.append(float(opt.param_groups[0]["lr"]))
@@ -185,14 +184,16 @@ def clip_problems(result: dict) -> list[str]:
 @register
 class OptimizerConfig(Detector):
     id = "optimizer_config"
-    needs_config = ("train.lr", "train.betas", "train.eps", "train.weight_decay")
-    needs_seams = (CONFIGURE,)
+    needs_facts = ("lr", "betas", "eps", "weight_decay")
+    needs_roles = ("optimizer_groups",)
     family = "optimizer"
     passive = False
     description = "param groups vs the config: every trainable parameter in exactly one group, lr/betas/eps, decay rule"
 
     def problems(self, ctx) -> tuple[list[str], dict]:
-        model, opt, tcfg = ctx.run.model, ctx.run.optimizer, ctx.config.train
+        model, opt = ctx.run.model, ctx.run.optimizer
+        lr, betas, eps, weight_decay = (ctx.fact(f) for f in ("lr", "betas", "eps", "weight_decay"))
+        self._decay_problems = []
         names = {id(p): n for n, p in model.named_parameters()}
         trainable = {id(p): p for p in model.parameters() if p.requires_grad}
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -209,22 +210,23 @@ class OptimizerConfig(Detector):
                     problems.append(f"group {gi} holds a tensor that is not a trainable parameter of the model "
                                     f"({names.get(id(p), tuple(p.shape))})")
                     continue
-                wants_decay = p.dim() >= 2 and id(p) not in embeddings
                 wd = float(group.get("weight_decay", 0.0))
-                if wants_decay and not _close(wd, tcfg.weight_decay):
-                    problems.append(f"{names[id(p)]} ({p.dim()}-D weight) has weight_decay {wd}, expected "
-                                    f"{tcfg.weight_decay}")
-                elif not wants_decay and wd != 0.0:
-                    problems.append(f"{names[id(p)]} ({'embedding' if id(p) in embeddings else f'{p.dim()}-D'}) "
-                                    f"has weight_decay {wd}, expected 0")
-            betas = group.get("betas")
-            if betas is not None and tuple(float(b) for b in betas) != tuple(float(b) for b in tcfg.betas):
-                problems.append(f"group {gi} has betas {tuple(betas)}, the config says {tuple(tcfg.betas)}")
-            if "eps" in group and not _close(float(group["eps"]), tcfg.eps):
-                problems.append(f"group {gi} has eps {group['eps']}, the config says {tcfg.eps}")
+                if id(p) in embeddings and (wd == 0.0 or _close(wd, weight_decay)):
+                    continue  # decayed or not: either is a stack's documented choice
+                if p.dim() >= 2 and not _close(wd, weight_decay):
+                    self._decay_problems.append(f"{names[id(p)]} ({p.dim()}-D weight) has weight_decay {wd}, "
+                                                f"expected {weight_decay}")
+                elif p.dim() < 2 and wd != 0.0:
+                    self._decay_problems.append(f"{names[id(p)]} ({p.dim()}-D) has weight_decay {wd}, expected 0")
+            group_betas = group.get("betas")
+            if group_betas is not None and tuple(float(b) for b in group_betas) != tuple(float(b) for b in betas):
+                problems.append(f"group {gi} has betas {tuple(group_betas)}, the config says {tuple(betas)}")
+            if "eps" in group and not _close(float(group["eps"]), eps):
+                problems.append(f"group {gi} has eps {group['eps']}, the config says {eps}")
             base = group.get("initial_lr", None)
-            if base is not None and not _close(float(base), tcfg.lr):
-                problems.append(f"group {gi} has base lr {base}, the config says {tcfg.lr}")
+            if base is not None and not _close(float(base), lr):
+                problems.append(f"group {gi} has base lr {base}, the config says {lr}")
+        problems += self._decay_problems
         missing = [names.get(i, "?") for i in trainable if membership.get(i, 0) == 0]
         twice = [names.get(i, "?") for i, c in membership.items() if c > 1]
         if missing:
@@ -235,30 +237,45 @@ class OptimizerConfig(Detector):
         evidence.update(missing=missing, duplicated=twice)
         return problems, evidence
 
+    def _decay_rule_problem(self, ctx) -> str | None:
+        """Where the decay is wrong and the run offers its decay rule: the 1-D parameters the rule decays."""
+        if not self._decay_problems or "decay_names" not in ctx.roles:
+            return None
+        try:
+            decayed = set(ctx.role("decay_names")(ctx.run.model))
+        except Exception as exc:  # noqa: BLE001 - raising breaks the rule's contract too
+            return f"the decay rule raises {type(exc).__name__}"
+        wrong = [n for n, p in ctx.run.model.named_parameters() if p.dim() < 2 and n in decayed]
+        return f"the decay rule names {len(wrong)} 1-D parameters ({', '.join(wrong[:3])})" if wrong else None
+
     def on_start(self, ctx) -> None:
         problems, evidence = self.problems(ctx)
         self._at_start = bool(problems)
         if problems:
-            self.report(ctx, "optimizer", CONFIGURE, "the optimizer's param groups break the configuration: "
-                        + "; ".join(dict.fromkeys(problems)), evidence, confidence=0.9)
+            rule = self._decay_rule_problem(ctx)
+            self.report(ctx, "optimizer", ctx.role_seam("decay_names" if rule else "optimizer_groups"),
+                        "the optimizer's param groups break the configuration: " + "; ".join(dict.fromkeys(problems))
+                        + (f"; {rule}" if rule else ""), evidence, confidence=0.9)
 
     def on_checkpoint_load(self, ctx, path) -> None:
         if getattr(self, "_at_start", False):
             return
         problems, evidence = self.problems(ctx)
         if problems:
-            self.report(ctx, "checkpoint", LOAD_CHECKPOINT, "after resuming, the optimizer's param groups break the "
+            self.report(ctx, "checkpoint", ctx.known_seam(LOAD_CHECKPOINT), "after resuming, the optimizer's param "
+                        "groups break the "
                         "configuration: " + "; ".join(dict.fromkeys(problems)), evidence, confidence=0.7)
 
 
 @register
 class LrSchedule(Detector):
     id = "lr_schedule"
-    needs_config = ("train.lr", "train.accum")
-    needs_seams = (LR_AT, MAKE_SCHEDULER)
+    needs_facts = ("lr", "steps")
+    needs_roles = ("train_step",)
     family = "optimizer"
     passive = True
-    description = "the lr of every step vs warmup + cosine from the config; lr_at / make_scheduler / the step localized"
+    description = ("the lr of every step vs the schedule the configuration declares; lr_at / make_scheduler / the step "
+                   "localized")
 
     def __init__(self) -> None:
         super().__init__()
@@ -269,85 +286,95 @@ class LrSchedule(Detector):
     def expected(self, ctx, step: int) -> float:
         if step < len(self._table):
             return self._table[step]
-        return expected_lr(step, ctx.config.train)
+        return self._declared(ctx)(step)
+
+    def _declared(self, ctx):
+        """step -> the declared LR: the run's own statement of its schedule, or the reference's warmup + cosine."""
+        try:
+            return ctx.fact("lr_schedule")
+        except NotApplicable:
+            self.require(ctx, config=("train.lr", "train.warmup_steps", "train.steps", "train.min_lr"))
+            return lambda step: expected_lr(step, ctx.config.train)
 
     def on_start(self, ctx) -> None:
-        tcfg = ctx.config.train
-        horizon = tcfg.steps + 2
-        self._table = [expected_lr(s, tcfg) for s in range(horizon)]
+        lr, horizon = ctx.fact("lr"), ctx.fact("steps") + 2
+        declared = self._declared(ctx)
+        self._table = [declared(s) for s in range(horizon)]
         golden = (ctx.golden or {}).get("runs") or []
         for trace in golden[:1]:  # the clean reference's logged lr: trust it where it disagrees with the formula
             lrs = trace.get("lr") or []
             if lrs and not all(_close(a, b) for a, b in zip(lrs, self._table, strict=False)):
                 self._table[: len(lrs)] = [float(x) for x in lrs]
-        # 1) lr_at against the formula
-        lr_at = ctx.seam(LR_AT)
+        # 1) lr_at against the declared schedule
         try:
-            run_lr = [float(lr_at(s, tcfg)) for s in range(horizon)]
+            run_lr = [float(ctx.role("lr_at")(s)) for s in range(horizon)] if "lr_at" in ctx.roles else None
         except Exception as exc:
             run_lr = None
             self._explained = True
-            self.report(ctx, "optimizer", LR_AT, f"lr_at raises ({type(exc).__name__}: {str(exc)[:120]})",
+            self.report(ctx, "optimizer", ctx.role_seam("lr_at"),
+                        f"lr_at raises ({type(exc).__name__}: {str(exc)[:120]})",
                         confidence=0.9)
         if run_lr is not None:
             bad = [s for s in range(horizon) if not _close(run_lr[s], self.expected(ctx, s))]
             if bad:
                 self._explained = True
-                self.report(ctx, "optimizer", LR_AT,
-                            f"lr_at disagrees with warmup + cosine from the config at {len(bad)} of {horizon} steps "
+                self.report(ctx, "optimizer", ctx.role_seam("lr_at"),
+                            f"lr_at disagrees with the schedule the config declares at {len(bad)} of {horizon} steps "
                             f"(step {bad[0]}: {run_lr[bad[0]]:.4g}, expected {self.expected(ctx, bad[0]):.4g})",
                             {"steps": bad[:10], "lr_at": [run_lr[s] for s in bad[:10]],
                              "expected": [self.expected(ctx, s) for s in bad[:10]],
-                             "peak_lr_at": max(run_lr), "config_lr": tcfg.lr}, confidence=0.9)
+                             "peak_lr_at": max(run_lr), "config_lr": lr}, confidence=0.9)
         # 2) a fresh scheduler from make_scheduler, stepped once per step, must follow lr_at
         reference = run_lr if run_lr is not None else self._table
         try:
-            got = scheduler_lrs(ctx.seam(MAKE_SCHEDULER), tcfg, horizon)
+            got = scheduler_lrs(ctx.role("make_scheduler"), lr, horizon) if "make_scheduler" in ctx.roles else None
         except Exception as exc:
             got = None
             self._explained = True
-            self.report(ctx, "optimizer", MAKE_SCHEDULER, f"make_scheduler's scheduler raises ({type(exc).__name__}: "
+            self.report(ctx, "optimizer", ctx.role_seam("make_scheduler"),
+                        f"make_scheduler's scheduler raises ({type(exc).__name__}: "
                         f"{str(exc)[:120]})", confidence=0.9)
         if got is not None:
             bad = [s for s in range(horizon) if not _close(got[s], reference[s])]
             if bad:
                 self._explained = True
                 ratio = got[bad[0]] / reference[bad[0]] if reference[bad[0]] else math.nan
-                self.report(ctx, "optimizer", MAKE_SCHEDULER,
-                            f"a fresh scheduler from make_scheduler on an optimizer with lr={tcfg.lr:g}, stepped "
+                self.report(ctx, "optimizer", ctx.role_seam("make_scheduler"),
+                            f"a fresh scheduler from make_scheduler on an optimizer with lr={lr:g}, stepped "
                             f"once per step, gives lr {got[bad[0]]:.4g} at step {bad[0]} where lr_at says "
                             f"{reference[bad[0]]:.4g} (x{ratio:.3g}); {len(bad)} of {horizon} steps disagree",
                             {"steps": bad[:10], "scheduler_lr": [got[s] for s in bad[:10]],
                              "lr_at": [reference[s] for s in bad[:10]]}, confidence=0.9)
         # 3) how many times optimizer_step advances a scheduler (used to localize live mismatches)
-        result = probe_optimizer_step(ctx)
-        self._opt_step_advance = None if result.get("error") else result["sched_advance"]
+        if "optimizer_step" in ctx.roles:
+            result = probe_optimizer_step(ctx)
+            self._opt_step_advance = None if result.get("error") else result["sched_advance"]
 
     def _live_mismatch(self, ctx, step: int, lr: float, when: str) -> None:
         sched = ctx.run.scheduler
         last = int(getattr(sched, "last_epoch", -1))
         want = self.expected(ctx, step)
         evidence = {"step": step, "lr": lr, "expected": want, "scheduler_last_epoch": last, "when": when,
-                    "optimizer_step_advances_schedule": self._opt_step_advance, "accum": ctx.config.train.accum}
+                    "optimizer_step_advances_schedule": self._opt_step_advance, "accum": ctx.fact("accum")}
         ahead = [s for s in range(len(self._table)) if _close(self._table[s], lr)]
         if ahead:
             evidence["lr_matches_schedule_step"] = ahead[0]
         self._explained = True
+        checked = [r for r in ("lr_at", "make_scheduler") if r in ctx.roles]
+        correct = f"{' and '.join(checked)} {'are' if len(checked) > 1 else 'is'} correct, so " if checked else ""
         if when == "before_step" and last > step:
-            self.report(ctx, "optimizer", TRAIN_STEP,
+            self.report(ctx, "optimizer", ctx.role_seam("train_step"),
                         f"when optimizer step {step} runs, the schedule has already advanced {last} times "
-                        f"(lr {lr:.4g}, expected {want:.4g}); lr_at and make_scheduler are correct, so the training "
-                        f"step advances the scheduler {last - step} extra times before the optimizer step",
-                        evidence, confidence=0.8)
+                        f"(lr {lr:.4g}, expected {want:.4g}); {correct}the training step advances the scheduler "
+                        f"{last - step} extra times before the optimizer step", evidence, confidence=0.8)
         elif self._opt_step_advance is not None and self._opt_step_advance != 1 and last != step:
-            self.report(ctx, "optimizer", OPTIMIZER_STEP,
+            self.report(ctx, "optimizer", ctx.role_seam("optimizer_step"),
                         f"step {step} uses lr {lr:.4g}, expected {want:.4g}; optimizer_step advances a scheduler "
                         f"{self._opt_step_advance} times per call (expected once)", evidence, confidence=0.8)
         else:
-            self.report(ctx, "optimizer", TRAIN_STEP,
-                        f"step {step} uses lr {lr:.4g}, expected {want:.4g} (scheduler at {last}); lr_at and "
-                        "make_scheduler are correct, so the training step drives the schedule wrongly",
-                        evidence, confidence=0.7)
+            self.report(ctx, "optimizer", ctx.role_seam("train_step"),
+                        f"step {step} uses lr {lr:.4g}, expected {want:.4g} (scheduler at {last}); {correct}the "
+                        "training step drives the schedule wrongly", evidence, confidence=0.7)
 
     def on_before_step(self, ctx) -> None:
         if self._explained:
@@ -373,7 +400,7 @@ class LrSchedule(Detector):
         lr = float(ctx.run.optimizer.param_groups[0]["lr"])
         if last != ctx.step or not _close(lr, self.expected(ctx, ctx.step)):
             self._explained = True
-            self.report(ctx, "checkpoint", LOAD_CHECKPOINT,
+            self.report(ctx, "checkpoint", ctx.known_seam(LOAD_CHECKPOINT),
                         f"after resuming at step {ctx.step} the scheduler is at {last} and the lr is {lr:.4g} "
                         f"(expected {self.expected(ctx, ctx.step):.4g}): the schedule's position was not restored "
                         "with the step", {"step": ctx.step, "scheduler_last_epoch": last, "lr": lr}, confidence=0.7)
@@ -382,8 +409,8 @@ class LrSchedule(Detector):
 @register
 class GradHygiene(Detector):
     id = "grad_hygiene"
-    needs_config = ("train.grad_clip", "train.device")
-    needs_seams = (OPTIMIZER_STEP, CLIP)
+    needs_facts = ("grad_clip", "device")
+    needs_roles = ("train_step",)
     family = "optimizer"
     passive = True
     description = ("optimizer_step/clip_gradients contracts on throwaway objects; live: grads present at the optimizer "
@@ -398,10 +425,13 @@ class GradHygiene(Detector):
         self._pre: dict | None = None
         self._snapshot_next = False
         self._params: tuple | None = None  # (run, its trainable parameters)
+        self._probed = False
 
     def on_start(self, ctx) -> None:
-        with ctx.probe():  # the throwaway module's init draws from the global RNG: restore it
-            self._probes(ctx)
+        self._probed = {"optimizer_step", "clip_gradients"} <= ctx.roles.keys()
+        if self._probed:  # where the run offers them: on a live finding, they are known to keep their contracts
+            with ctx.probe():  # the throwaway module's init draws from the global RNG: restore it
+                self._probes(ctx)
 
     def _probes(self, ctx) -> None:
         self._probe_step = probe_optimizer_step(ctx)
@@ -409,7 +439,7 @@ class GradHygiene(Detector):
         self._step_ok = not problems
         if problems:
             self._reported.add("optimizer_step")
-            self.report(ctx, "optimizer", OPTIMIZER_STEP,
+            self.report(ctx, "optimizer", ctx.role_seam("optimizer_step"),
                         "optimizer_step on a throwaway parameter (grad 0.5, SGD lr 0.1): " + "; ".join(problems),
                         self._probe_step, confidence=0.9)
         clip = probe_clip(ctx)
@@ -420,7 +450,8 @@ class GradHygiene(Detector):
             self._clip_ok = not problems
         if problems:
             self._reported.add("clip")
-            self.report(ctx, "optimizer", CLIP, "clip_gradients on a throwaway module: " + "; ".join(problems), clip,
+            self.report(ctx, "optimizer", ctx.role_seam("clip_gradients"),
+                        "clip_gradients on a throwaway module: " + "; ".join(problems), clip,
                         confidence=0.9)
 
     def on_before_step(self, ctx) -> None:
@@ -456,25 +487,29 @@ class GradHygiene(Detector):
             left = [p.grad for p in held if p.grad is not None]
             if left and float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(left)))) > 0:
                 self._reported.add("not_cleared")
-                self.report(ctx, "optimizer", TRAIN_STEP,
+                self.report(ctx, "optimizer", ctx.role_seam("train_step"),
                             f"after step {record.step} {len(left)} parameters still hold non-zero gradients (the "
-                            "next backward adds to them) although optimizer_step clears them in a probe",
+                            "next backward adds to them)" + self._probe_says("optimizer_step clears them"),
                             {"params_with_grad": len(left)}, confidence=0.7)
+
+    def _probe_says(self, what: str) -> str:
+        return f"; {what} in a probe" if self._probed else ""
 
     def _check_step(self, ctx, record, pre) -> None:
         world = ctx.run.world_size
         if pre["n_with_grad"] == 0:
             if self._step_ok and "no_grads" not in self._reported:
                 self._reported.add("no_grads")
-                self.report(ctx, "optimizer", TRAIN_STEP,
+                self.report(ctx, "optimizer", ctx.role_seam("train_step"),
                             f"optimizer.step() of step {record.step} ran with no gradients at all (logged pre-clip "
-                            f"norm {record.grad_norm:.4g}); optimizer_step keeps them in a probe, so the training "
-                            "step clears them before the update", {"logged_grad_norm": record.grad_norm},
+                            f"norm {record.grad_norm:.4g})" + self._probe_says("optimizer_step keeps them")
+                            + ": the training step clears them before the update",
+                            {"logged_grad_norm": record.grad_norm},
                             confidence=0.7)
             return
         # every parameter that had a non-zero gradient must move
         unchanged = [p for p, old in pre["snap"] if torch.equal(p.detach(), old)]
-        if unchanged and "unchanged" not in self._reported:
+        if unchanged and float(record.lr) > 0 and "unchanged" not in self._reported:  # lr 0 moves nothing
             self._reported.add("unchanged")
             names = {id(p): n for n, p in ctx.run.model.named_parameters()}
             in_opt = {id(p) for g in ctx.run.optimizer.param_groups for p in g["params"]}
@@ -483,7 +518,7 @@ class GradHygiene(Detector):
             evidence = {"unchanged_outside_optimizer": outside, "unchanged_in_optimizer": inside,
                         "lr": record.lr, "step": record.step}
             if outside:
-                self.report(ctx, "optimizer", CONFIGURE,
+                self.report(ctx, "optimizer", ctx.role_seam("optimizer_groups"),
                             f"{len(outside)} parameters with non-zero gradients did not change in step {record.step}: "
                             f"they are in no param group ({', '.join(outside[:5])})", evidence, confidence=0.8)
             else:
@@ -491,7 +526,7 @@ class GradHygiene(Detector):
                             f"{len(inside)} parameters with non-zero gradients did not change in step {record.step} "
                             f"({', '.join(inside[:5])})", evidence, confidence=0.5)
         # the gradients the optimizer used vs the logged pre-clip norm and the clip threshold
-        clip = ctx.config.train.grad_clip
+        clip = ctx.fact("grad_clip")
         logged = float(record.grad_norm)
         if not math.isfinite(logged) or "norm" in self._reported or not (self._clip_ok and self._step_ok):
             return  # a broken clip_gradients / optimizer_step explains it (reported at start)
@@ -501,11 +536,11 @@ class GradHygiene(Detector):
             self._reported.add("norm")
             evidence = {"logged_pre_clip_norm": logged, "grad_clip": clip, "expected_post_clip_norm": want,
                         "norm_seen_by_optimizer": got, "step": record.step, "world_size": world}
-            self.report(ctx, "optimizer", TRAIN_STEP,
+            self.report(ctx, "optimizer", ctx.role_seam("train_step"),
                         f"step {record.step}: the optimizer used gradients of norm {got:.4g}, but the logged "
-                        f"pre-clip norm {logged:.4g} and grad_clip {clip:g} imply {want:.4g}; clip_gradients honours "
-                        "its contract in a probe, so the step clips (or measures) gradients other than the ones the "
-                        "optimizer then uses (clipping at the wrong point)",
+                        f"pre-clip norm {logged:.4g} and grad_clip {clip:g} imply {want:.4g}"
+                        + self._probe_says("clip_gradients honours its contract") + ": the step clips (or measures) "
+                        "gradients other than the ones the optimizer then uses (clipping at the wrong point)",
                         evidence, confidence=0.75 if world == 1 else 0.55)
 
 

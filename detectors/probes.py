@@ -26,9 +26,9 @@ def sample_docs(ctx, count: int = 4, max_len: int | None = None, distinct_length
                 min_len: int = 4) -> list[list[int]]:
     """``count`` training documents of different lengths (shortest to longest within ``min_len`` ..
     ``max_len``), picked deterministically from the run's corpus."""
-    limit = max_len or ctx.config.data.seq_len
+    limit = max_len or ctx.fact("seq_len")
     by_length: dict[int, list[int]] = {}
-    for doc in ctx.run.corpus.train[:2000]:
+    for doc in ctx.fact("train_docs")[:2000]:
         if min_len <= len(doc) <= limit:
             by_length.setdefault(len(doc), list(doc))
     lengths = sorted(by_length)
@@ -39,16 +39,16 @@ def sample_docs(ctx, count: int = 4, max_len: int | None = None, distinct_length
 
 
 def collate(ctx, docs, pad_side: str | None = None) -> dict:
-    """The run's collate on ``docs`` with the tokenizer's pad id, moved to the run's device."""
-    side = pad_side or ctx.config.data.pad_side
-    batch = ctx.seam("model.data.collate")(docs, ctx.run.tokenizer.pad_id, side)
-    device = ctx.config.train.device
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    """The run's collate role on ``docs`` with the run's pad id, moved to the run's device."""
+    side = pad_side or ctx.fact("pad_side")
+    batch = ctx.role("collate")(docs, ctx.fact("pad_id"), side)
+    dev = device(ctx)
+    return {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
 def logits(ctx, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-    """The model's logits (float32) for a batch; call inside ``ctx.probe()``."""
-    return ctx.run.model(input_ids, attention_mask, position_ids).float()
+    """The model's logits (float32) for a batch, through the run's forward role; call inside ``ctx.probe()``."""
+    return ctx.role("forward")(input_ids, attention_mask, position_ids).float()
 
 
 def modules_named(ctx, class_name: str):
@@ -57,9 +57,13 @@ def modules_named(ctx, class_name: str):
 
 
 def ignore_value(labels: torch.Tensor, attention_mask: torch.Tensor) -> int | None:
-    """The label value collate uses for 'no target', read off the first real token (BOS) of row 0."""
+    """The label value collate uses for 'no target': the label of row 0's first real token (BOS) where it is no
+    token id (negative), else the label of a pad (a stack may leave BOS's label as the token itself: its shifted
+    loss never scores a row's first label from a real position); BOS's label when nothing is padded."""
     first = int(attention_mask[0].nonzero()[0]) if attention_mask[0].any() else 0
-    return int(labels[0, first])
+    value = int(labels[0, first])
+    pads = labels[attention_mask == 0]
+    return int(pads[0]) if value >= 0 and len(pads) else value
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -145,7 +149,7 @@ def recollate(ctx, docs, side: str, inspect_batch: Callable[[dict], Any]) -> tup
     probe; (None, the error) when either raises. Tells whether collate or its caller shaped a real batch."""
     with ctx.probe():
         try:
-            return inspect_batch(ctx.seam("model.data.collate")(docs, ctx.fact("pad_id"), side)), None
+            return inspect_batch(ctx.role("collate")(docs, ctx.fact("pad_id"), side)), None
         except Exception as exc:  # noqa: BLE001
             return None, f"{type(exc).__name__}: {exc}"
 
@@ -303,8 +307,8 @@ def clip_probe(ctx, enabled_scaler: bool = False) -> dict:
     max_norm = G / 2; with ``enabled_scaler`` the gradients are scaled by 1024 and an enabled GradScaler of
     that scale is passed. Returns {"true_norm", "max_norm", "scale", "module", "error" (the exception or
     None), "returned"}; call inside ``ctx.probe()`` (the module's init draws from the global RNG)."""
-    fn = ctx.seam("model.train.clip_gradients")
-    dev = ctx.config.train.device
+    fn = ctx.role("clip_gradients")
+    dev = device(ctx)
     gen = torch.Generator().manual_seed(7)
     module = torch.nn.Linear(6, 5).to(dev)
     grads = [torch.randn(p.shape, generator=gen).to(dev) for p in module.parameters()]

@@ -414,7 +414,8 @@ def _run(case: Case, golden: dict | None, rank: int, workdir: Path, capture_dir:
     cfg = recipe.config(case.seed)
     out = empty_record(case, rank)
     start = time.perf_counter()
-    ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
+    ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden,
+                     roles=targets.get("ref").roles())
     white, black = split_tracks(case.detectors)
     # the reference's RoPE and its planned length, as its user would declare them to the watch
     declare = {"positions": "relative", "total_steps": cfg.train.steps}

@@ -42,6 +42,8 @@ class Target:
     preload:          modules a process forked or forkserved for this target's cases imports first
     warm_up:          recipe name -> None: build (and step) a run of it once in a process that forks cases, so
                       every child starts with the lazy imports done and the corpus caches filled
+    roles:            () -> {role: detectors.api.Role}: the stack's component for each role of
+                      ``detectors.api.ROLES`` it has (what white-box detectors probe), each naming its seam
     captures:         whether ``run_case`` takes ``capture_dir`` (every step's state and batch, for a repro
                       bundle: ``harness.bundle``)
     """
@@ -56,6 +58,7 @@ class Target:
     has: Callable[[object, tuple[str, str]], object]
     features: Callable[[object], int]
     preload: tuple[str, ...] = ()
+    roles: Callable[[], dict] = dict
     captures: bool = False
     warm_up: Callable[[str], None] = lambda recipe: None
 

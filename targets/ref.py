@@ -2,8 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+
+from faultbench.detectors.api import Role
 from faultbench.model import seams as _seams
 from faultbench.targets import Target
+
+# the reference's seams already have the roles' normalized calls (they are where the conventions come from)
+ROLES = {
+    "documents": Role("model.data.load_corpus"),
+    "batches": Role("model.train.next_micro_batches"),
+    "encode": Role("model.tokenizer.Tokenizer.encode", lambda run, encode: functools.partial(encode, run.tokenizer)),
+    "truncate": Role("model.data.truncate"),
+    "collate": Role("model.data.collate"),
+    "forward": Role("model.gpt.GPT.forward", lambda run, forward: run.model),  # the module: its hooks run too
+    "loss": Role("model.loss.lm_loss"),
+    "count_targets": Role("model.loss.count_targets"),
+    "position_ids": Role("model.rope.position_ids_from_mask"),
+    "mask_builder": Role("model.attention.build_attention_mask"),
+    "attend": Role("model.attention.attend"),
+    "optimizer_groups": Role("model.optim.configure_optimizer"),
+    "lr_at": Role("model.optim.lr_at", lambda run, lr_at: lambda step: lr_at(step, run.config.train)),
+    "make_scheduler": Role("model.optim.make_scheduler", lambda run, make: lambda opt: make(opt, run.config.train)),
+    "train_step": Role("model.train.train_step"),
+    "optimizer_step": Role("model.train.optimizer_step"),
+    "clip_gradients": Role("model.train.clip_gradients"),
+    "split_of": Role("model.corpus.split_of"),
+}
 
 
 def _recipes() -> dict:
@@ -56,6 +81,7 @@ TARGET = Target(
     has=_matcher("has"),
     features=_matcher("features"),
     preload=("faultbench.model.run", "faultbench.model.train", "faultbench.model.checkpoint"),
+    roles=lambda: dict(ROLES),
     captures=True,
     warm_up=_warm_up,
 )

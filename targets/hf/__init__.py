@@ -33,6 +33,12 @@ def _warm_up(recipe: str) -> None:
     warm_up(recipe)
 
 
+def _roles() -> dict:
+    from faultbench.targets.hf.roles import ROLES
+
+    return dict(ROLES)
+
+
 def _matcher():
     from faultbench.targets.hf import matcher
 
@@ -52,4 +58,5 @@ TARGET = Target(
     features=lambda recipe: _matcher().features(recipe),
     preload=("faultbench.targets.hf.case", "faultbench.targets.hf.scenario"),
     warm_up=_warm_up,
+    roles=_roles,
 )

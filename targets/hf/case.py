@@ -22,6 +22,7 @@ from faultbench.harness.case import Suite, empty_record, final_state, suite_into
 from faultbench.harness.watched import Watched, split_tracks
 from faultbench.targets.hf.hooks import checkpoint_dir, train
 from faultbench.targets.hf.recipes import RECIPES
+from faultbench.targets.hf.roles import ROLES
 from faultbench.targets.hf.run import HFRun, build_run, evaluate
 from faultbench.targets.hf.seams import SEAMS, resolve
 
@@ -84,7 +85,7 @@ def run_case(recipe: str, seed: int, detectors=(), golden: dict | None = None, r
 def _run(recipe, seed: int, detectors: tuple, golden, rank: int, workdir: Path) -> dict:
     out = empty_record_for(recipe.name, seed, detectors, rank)
     start = time.perf_counter()
-    ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
+    ctx = RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), golden=golden, roles=dict(ROLES))
     white, black = split_tracks(detectors)
     # Llama's RoPE, as its user would declare it (the callback declares Trainer's max_steps itself)
     watched = Watched(black, rank, recipe.world_size, golden, {"positions": "relative"}) if black else None

@@ -8,7 +8,9 @@ The optimizer and scheduler exist once ``trainer.train()`` has begun (Trainer cr
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +103,72 @@ class HFRun:
     @property
     def device(self) -> str:
         return str(self.model.device)
+
+    @property
+    def bos_id(self) -> int:
+        return self.tokenizer.bos_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def unk_id(self) -> int:
+        return self.tokenizer.unk_token_id
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokenizer.model_max_length
+
+    @property
+    def weight_decay(self) -> float:
+        return self.trainer.args.weight_decay
+
+    @property
+    def steps(self) -> int:
+        return self.trainer.args.max_steps
+
+    def lr_schedule(self, step: int) -> float:
+        """The LR ``TrainingArguments`` declare for optimizer step ``step`` (0-based), by the documented semantics of
+        ``lr_scheduler_type="cosine"``: linear warmup from 0 over ``warmup_steps``, then a half cosine to 0 at
+        ``max_steps``."""
+        args = self.trainer.args
+        if step < args.warmup_steps:
+            return args.learning_rate * step / max(1, args.warmup_steps)
+        progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+        return args.learning_rate * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    @property
+    def grad_clip(self) -> float:
+        return self.trainer.args.max_grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.trainer.args.learning_rate
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return self.trainer.args.adam_beta1, self.trainer.args.adam_beta2
+
+    @property
+    def eps(self) -> float:
+        return self.trainer.args.adam_epsilon
+
+    @functools.cached_property
+    def train_docs(self) -> list[list[int]]:
+        """The first ``FACT_DOCS`` training documents as the dataset tokenizes them."""
+        return _tokenized(self.trainer.train_dataset)
+
+    @functools.cached_property
+    def val_docs(self) -> list[list[int]]:
+        return _tokenized(self.trainer.eval_dataset)
+
+
+FACT_DOCS = 2000  # documents a detector reads of a split (tokenizing them all would cost seconds)
+
+
+def _tokenized(dataset) -> list[list[int]]:
+    return [dataset[i]["input_ids"] for i in range(min(len(dataset), FACT_DOCS))]
 
 
 _NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)

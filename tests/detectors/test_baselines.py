@@ -7,11 +7,12 @@ from faultbench.detectors.api import RunContext
 from faultbench.detectors.baselines import CrashTriage, LossCurve, innermost_seam
 from faultbench.model.config import get_preset
 from faultbench.model.seams import SEAMS, resolve
+from tests.detectors.helpers import REF_ROLES
 
 
 def context(golden=None):
     run = SimpleNamespace(config=get_preset("tiny"), step=0)
-    return RunContext(run=run, seam_resolver=resolve, seams=dict(SEAMS), golden=golden)
+    return RunContext(run=run, seam_resolver=resolve, seams=dict(SEAMS), golden=golden, roles=REF_ROLES)
 
 
 def test_crash_triage_names_the_innermost_seam_frame():

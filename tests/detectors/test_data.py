@@ -7,6 +7,7 @@ from faultbench.detectors.data import (
     CorpusInvariants,
     TokenizerRoundtrip,
     corpus_violations,
+    special_ids,
     tokenizer_violations,
     truncate_violations,
 )
@@ -41,7 +42,7 @@ def test_truncate_contract_flags_a_kept_suffix_and_one_short():
 
 def test_reference_corpus_and_tokenizer_are_clean(run):
     tok = run.tokenizer
-    assert corpus_violations(run.corpus.val, tok, 64, 256, "val")["counts"] == {}
+    assert corpus_violations(run.corpus.val, special_ids(tok), 64, 256, "val")["counts"] == {}
     texts = [tok.decode(d) for d in run.corpus.train[:20]]
     assert tokenizer_violations(tok, texts) == {}
     for det in (CorpusInvariants(), TokenizerRoundtrip()):

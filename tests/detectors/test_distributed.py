@@ -12,6 +12,7 @@ from faultbench.detectors.distributed import NEXT_INDICES, RankDataDistinct, dis
 from faultbench.harness.case import Case, execute
 from faultbench.model.sampler import ResumableSampler
 from faultbench.model.seams import SEAMS, resolve
+from tests.detectors.helpers import REF_ROLES
 
 DETECTORS = ("reduction_probe", "rank_collectives", "rank_agreement", "rank_data_distinct",
              "rank_grad_norm_agreement", "resume_continuity")
@@ -20,7 +21,7 @@ DETECTORS = ("reduction_probe", "rank_collectives", "rank_agreement", "rank_data
 def sampler_context(next_indices=None, world_size=2):
     run = SimpleNamespace(sampler=ResumableSampler(100, 8, 0, 1, world_size), world_size=world_size, step=0, rank=1)
     return RunContext(run=run, seam_resolver=lambda name: (next_indices if name == NEXT_INDICES and next_indices
-                                                           else resolve(name)), seams=dict(SEAMS))
+                                                           else resolve(name)), seams=dict(SEAMS), roles=REF_ROLES)
 
 
 def test_reference_sampler_shards_are_disjoint():

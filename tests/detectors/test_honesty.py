@@ -25,6 +25,7 @@ from faultbench.faults.inject import injected
 from faultbench.faults.registry import FaultSpec, all_faults
 from faultbench.harness.case import RECIPES, Case, execute, recipe_for
 from faultbench.model.seams import SEAMS, resolve
+from tests.detectors.helpers import REF_ROLES
 from tests.detectors.reach import reachable_strings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,7 +260,7 @@ def test_the_static_check_allows_ordinary_detector_code():
 
 # ------------------------------------------------------------------------------------------ the context
 def _context() -> RunContext:
-    return RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS))
+    return RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), roles=REF_ROLES)
 
 
 @pytest.mark.parametrize("name", ["faults.registry.all_faults", "harness.case.run_case", "faultbench.model.data",
@@ -360,7 +361,7 @@ def test_the_spy_would_see_a_secret_anywhere_the_context_leads():
     planted = {"fault": [(1, *spec.replacements.values())], "tensor": tensor, "method": method, "instance": instance}
     run = types.SimpleNamespace(config=None, step=0, model=torch.nn.Linear(2, 2))
     run.model.planted = planted
-    ctx = RunContext(run=run, seam_resolver=resolve, seams=dict(SEAMS))
+    ctx = RunContext(run=run, seam_resolver=resolve, seams=dict(SEAMS), roles=REF_ROLES)
     assert len(leaked(spec, reachable_strings(ctx))) == len(secrets(spec)) > 6
 
 

@@ -10,6 +10,7 @@ from faultbench.detectors.probes import attend_diagnosis
 from faultbench.model.attention import attend
 from faultbench.model.run import build_run
 from faultbench.model.seams import SEAMS, resolve
+from tests.detectors.helpers import REF_ROLES
 
 CPU = torch.device("cpu")
 
@@ -81,7 +82,7 @@ def golden_of(model):
 
 
 def test_init_envelope(run):
-    ctx = RunContext(run=run, seam_resolver=resolve, seams=dict(SEAMS), golden=golden_of(run.model))
+    ctx = RunContext(run=run, seam_resolver=resolve, seams=dict(SEAMS), golden=golden_of(run.model), roles=REF_ROLES)
     det = InitEnvelope()
     det.on_start(ctx)
     assert not det.findings
@@ -93,7 +94,7 @@ def test_init_envelope(run):
 
 
 def test_module_composition(run, monkeypatch):
-    ctx = RunContext(run=run, seam_resolver=resolve, seams=dict(SEAMS))
+    ctx = RunContext(run=run, seam_resolver=resolve, seams=dict(SEAMS), roles=REF_ROLES)
     det = ModuleComposition()
     det.on_start(ctx)
     assert not det.findings
