@@ -115,6 +115,8 @@ FACTS = {
     "betas": "config.train.betas",  # the configured Adam betas
     "eps": "config.train.eps",  # the configured Adam epsilon
     "grad_clip": "config.train.grad_clip",  # the configured max gradient norm (0: no clipping)
+    "head_dim": "config.model.head_dim",  # channels per attention head
+    "max_positions": "config.model.max_positions",  # the longest sequence the model's positions cover
     "steps": "config.train.steps",  # the optimizer steps the run is configured for (the schedule's horizon)
     # step -> the LR the user's configuration declares for that optimizer step, by the documented semantics of the
     # stack's schedule option (computed by the target, not by the run's code); without it a detector falls back on
@@ -142,8 +144,20 @@ ROLES = {
     "loss": "(logits (B, T, V), labels (B, T) as collate makes them, num_targets: int | None = None) -> the "
             "next-token cross-entropy summed over the targets and divided by num_targets (default: the targets' count)",
     "count_targets": "(labels (B, T)) -> int: the number of targets `loss` scores",
+    "token_loss": "(logits (N, V), targets (N,) with the ignore value, num_targets: int | None) -> the cross-entropy "
+                  "summed over the non-ignored targets / num_targets, or their mean when None (the loss's last step)",
+    "pad": "(docs: token-id lists, pad_id, side) -> dict with input_ids, attention_mask (B, T): each document at the "
+           "side's edge, pad_id elsewhere, the mask 1 exactly on the document (collate's padding step)",
     "position_ids": "(attention_mask (B, T) 0/1, past_len: int = 0) -> position ids (B, T - past_len) of the last "
                     "columns: each row's real tokens counted 0, 1, ... from its first real token",
+    "apply_rope": "(q, k (B, nh, T, hs), cos, sin (B, 1, T, hs // 2): each position's angles per frequency) -> (q, k) "
+                  "rotated by those angles in the stack's channel layout",
+    "decode": "(input_ids (B, T0) left-padded, attention_mask (B, T0), new: int) -> (tokens (B, new), logits (B, new, "
+              "V)): greedy decoding with the stack's KV cache; step i's logits chose token T0 + i",
+    "kv_append": "() -> a fresh one-layer KV cache: a call (k, v (B, nh, T, hs)) appends them and returns every key "
+                 "and value cached so far, oldest first",
+    "repeat_kv": "(kv (B, n_kv, T, hs), groups) -> (B, n_kv * groups, T, hs): the key/value heads shared by grouped "
+                 "queries, query head h reading kv head h // groups",
     "attend": "(q (B, nh, T_q, hs), k, v (B, nh, T_k, hs), additive mask (B, 1, T_q, T_k) or None for plain causal, "
               "dropout_p) -> softmax(q k^T / sqrt(hs) + mask) v (B, nh, T_q, hs)",
     # a mask builder made of parts (FlexAttention-style mask functions: (b, h, q_idx, kv_idx) index tensors ->

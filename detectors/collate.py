@@ -160,9 +160,29 @@ class CollateContract(Detector):
         order = ("call", "structure", "mask", "width", "labels", "input_ids", "positions")
         kinds = [k for k in order if k in problems]
         first = problems[kinds[0]][0]
-        self.report(ctx, "collate", ctx.role_seam("collate"), f"collate breaks its contract ({', '.join(kinds)}): "
-                    f"{first}", {"problems": problems, "config_pad_side": pad_side, "first_cases": cases[:4]},
+        seam, cause = ctx.role_seam("collate"), ""
+        if set(kinds) & {"mask", "input_ids"} and (padding := self._padding_problem(ctx, bos, eos, words, pad)):
+            seam, cause = ctx.role_seam("pad"), f"; its padding step alone: {padding}"
+        elif "labels" in kinds and pad == eos and "encode" in ctx.roles:
+            seam, cause = ctx.role_seam("encode"), (f"; the tokenizer's pad id is its EOS id ({eos}): labels ignored "
+                                                    "on pads are ignored on every EOS too")
+        self.report(ctx, "collate", seam, f"collate breaks its contract ({', '.join(kinds)}): {first}{cause}",
+                    {"problems": problems, "config_pad_side": pad_side, "first_cases": cases[:4]},
                     confidence=0.9)
+
+    @staticmethod
+    def _padding_problem(ctx, bos: int, eos: int, words: list[int], pad: int) -> str | None:
+        """Where the run offers collate's padding step as a role: its first violation on the crafted documents."""
+        if "pad" not in ctx.roles:
+            return None
+        for side in ("right", "left"):
+            for docs in crafted_batches(bos, eos, words).values():
+                found = collate_violations(lambda d, p, s: {**ctx.role("pad")(d, p, s), "labels": None}, docs, pad,
+                                           side, vocab=1 << 30)
+                found = {k: v for k, v in found.items() if k in ("call", "width", "input_ids", "mask")}
+                if found:
+                    return next(iter(found.values()))[0]
+        return None
 
     @staticmethod
     def _positions_seam_at_fault(ctx, problems) -> str | None:

@@ -153,6 +153,31 @@ def _lm_loss_problems(ctx) -> dict | None:
     return {"problems": problems, "evidence": evidence}
 
 
+def token_loss_problem(ctx) -> str | None:
+    """The run's token_loss role on random (N, V) logits with some targets ignored, against the cross-entropy computed
+    here: summed / num_targets when given, the targets' mean otherwise; None when it keeps that contract."""
+    gen = torch.Generator().manual_seed(21)
+    V = _vocab(ctx)
+    logits = torch.randn(24, V, generator=gen) * 2
+    targets = torch.randint(0, V, (24,), generator=gen)
+    targets[::4] = IGNORE_PROBE
+    kept = targets != IGNORE_PROBE
+    nll = -logits.double().log_softmax(-1)[kept].gather(-1, targets[kept, None]).squeeze(-1)
+    fn = ctx.role("token_loss")
+    for num, want in ((None, float(nll.mean())), (40, float(nll.sum() / 40))):
+        try:
+            got = float(fn(logits, targets, num))
+        except Exception as exc:  # noqa: BLE001 - raising on documented input breaks the contract
+            return f"the token loss raises ({type(exc).__name__})"
+        if not probes.close(got, want, 1e-4):
+            return (f"the token loss gives {got:.5g} where the cross-entropy "
+                    f"{'mean' if num is None else f'sum / {num}'} is {want:.5g}")
+    return None
+
+
+IGNORE_PROBE = -100  # the ignore value of the token-loss probe: the one PyTorch's cross_entropy defaults to
+
+
 def forward_loss_problems(ctx) -> dict | None:
     """Contract checks of the run's forward_loss against the run's lm_loss (computed once per run)."""
     return ctx.memo("loss.forward_loss_problems", lambda: _forward_loss_problems(ctx))
@@ -256,8 +281,10 @@ class LossContract(Detector):
                         {"got": got, "expected": want, "ignore_value": ignore}, confidence=0.9)
         result = lm_loss_problems(ctx)
         if result and result["problems"]:
-            self.report(ctx, "loss", ctx.role_seam("loss"),
-                        "the loss breaks its contract: " + "; ".join(result["problems"].values()),
+            part = token_loss_problem(ctx) if "token_loss" in ctx.roles else None
+            self.report(ctx, "loss", ctx.role_seam("token_loss" if part else "loss"),
+                        "the loss breaks its contract: " + "; ".join(result["problems"].values())
+                        + (f"; {part}" if part else ""),
                         {**result["evidence"], "failed": sorted(result["problems"])}, confidence=0.9)
 
 

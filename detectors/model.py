@@ -23,7 +23,7 @@ import math
 import torch
 
 from faultbench.detectors import probes
-from faultbench.detectors.api import Detector, register
+from faultbench.detectors.api import Detector, NotApplicable, register
 from faultbench.detectors.probes import attend_diagnosis
 
 ATTEND = "model.attention.attend"
@@ -44,21 +44,43 @@ ZERO_EPS = 1e-6  # parameters that are exactly 0 at init in clean runs (biases) 
 @register
 class AttendContract(Detector):
     id = "attend_contract"
-    needs_config = ("train.device",)
-    needs_seams = (ATTEND,)
+    needs_facts = ("device",)
     family = "model"
     passive = False
     description = ("the run's attend on random q,k,v (mask-free causal, arbitrary explicit mask, cached steps, large "
-                   "scores) vs a float64 softmax(qk^T/sqrt(hs)+mask)v; forbidden keys changing the output -> mask")
+                   "scores) vs a float64 softmax(qk^T/sqrt(hs)+mask)v; forbidden keys changing the output -> mask; "
+                   "repeat_kv gives query head h the kv head h // groups")
+
+    def check_applicable(self, ctx) -> None:
+        super().check_applicable(ctx)
+        if not {"attend", "repeat_kv"} & ctx.roles.keys():
+            raise NotApplicable("this run has no role attend or repeat_kv")
 
     def on_start(self, ctx) -> None:
         with ctx.probe():
-            found = attend_diagnosis(ctx.seam(ATTEND), probes.device(ctx))
-        if found is None:
-            return
-        confidence = {"mask": 0.9, "model": 0.9, "precision": 0.8}[found["subsystem"]]
-        self.report(ctx, found["subsystem"], ATTEND, f"attend breaks its contract on the {found['case']}: "
-                    f"{found['problem']}", evidence={"cases": found["cases"]}, confidence=confidence)
+            found = attend_diagnosis(ctx.role("attend"), probes.device(ctx)) if "attend" in ctx.roles else None
+            grouped = repeat_kv_problem(ctx.role("repeat_kv")) if "repeat_kv" in ctx.roles else None
+        if found is not None:
+            confidence = {"mask": 0.9, "model": 0.9, "precision": 0.8}[found["subsystem"]]
+            self.report(ctx, found["subsystem"], ctx.role_seam("attend"), f"attend breaks its contract on the "
+                        f"{found['case']}: {found['problem']}", evidence={"cases": found["cases"]},
+                        confidence=confidence)
+        if grouped is not None:
+            self.report(ctx, "model", ctx.role_seam("repeat_kv"), f"repeat_kv breaks its contract: {grouped}",
+                        confidence=0.9)
+
+
+def repeat_kv_problem(repeat) -> str | None:
+    """Each of the 2 x 3 query heads of a (1, 2, 4, 8) key tensor repeated 3 times must read kv head h // 3."""
+    kv = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(4))
+    try:
+        out = repeat(kv, 3)
+    except Exception as exc:  # noqa: BLE001 - raising on a documented input breaks the contract
+        return f"raised {type(exc).__name__}: {str(exc)[:120]}"
+    if tuple(out.shape) != (1, 6, 4, 8):
+        return f"shape {tuple(out.shape)} for 2 kv heads x 3 groups, expected (1, 6, 4, 8)"
+    wrong = [h for h in range(6) if not torch.equal(out[0, h], kv[0, h // 3])]
+    return f"query heads {wrong} do not read kv head h // 3" if wrong else None
 
 
 # ---------------------------------------------------------------------------------------------- golden envelope

@@ -129,6 +129,28 @@ def apply_rope_problem(fn, head_dim: int, device) -> str | None:
     return None
 
 
+def rope_pair_problem(pair, head_dim: int, device) -> str | None:
+    """The apply_rope role's contract: each of its outputs is a rotation (``apply_rope_problem``), and the scores of
+    its rotated queries against its rotated keys depend only on relative positions."""
+    for side, name in ((0, "queries"), (1, "keys")):
+        problem = apply_rope_problem(lambda x, cos, sin, side=side: pair(x, x, cos, sin)[side], head_dim, device)
+        if problem:
+            return f"on the {name}: {problem}"
+    gen = torch.Generator().manual_seed(6)
+    cos, sin = reference_tables(head_dim, 32, 10000.0, device)
+    q, k = (torch.randn(1, 2, 5, head_dim, generator=gen).to(device) for _ in range(2))
+    scores = []
+    for start in (0, 7):
+        pos = torch.arange(start, start + 5, device=device)[None]
+        rq, rk = pair(q, k, cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+        scores.append(rq @ rk.transpose(-2, -1))
+    if not torch.allclose(scores[0], scores[1], rtol=1e-3, atol=1e-4):
+        return ("the scores of rotated queries against rotated keys depend on absolute positions (max change "
+                f"{float((scores[0] - scores[1]).abs().max()):.3g} under a shift of 7): queries and keys are not "
+                "rotated alike")
+    return None
+
+
 def positions_problem(fn, device) -> str | None:
     """Real tokens numbered 0, 1, ... from each row's first real token, for the columns after ``past_len``."""
     cases = (
@@ -170,6 +192,23 @@ def kv_cache_problem(cls, device) -> str | None:
             return "layers share storage or lengths"
         if cache.length != 5:
             return f"length is {cache.length} after appending 3 + 2 tokens to layer 0"
+    except Exception as exc:  # noqa: BLE001
+        return f"raised {type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
+def kv_append_problem(fresh, device) -> str | None:
+    """The kv_append role: a fresh cache returns exactly what it was given, then the old states followed by the new."""
+    gen = torch.Generator().manual_seed(9)
+    k1, v1, k2, v2 = (torch.randn(2, 2, n, 4, generator=gen).to(device) for n in (3, 3, 2, 2))
+    try:
+        append = fresh()
+        k, v = append(k1, v1)
+        if not (torch.equal(k, k1) and torch.equal(v, v1)):
+            return "the first append does not return exactly the keys/values it was given"
+        k, v = append(k2, v2)
+        if not (torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))):
+            return "a second append does not return the first keys/values followed by the new ones"
     except Exception as exc:  # noqa: BLE001
         return f"raised {type(exc).__name__}: {str(exc)[:120]}"
     return None
@@ -242,8 +281,15 @@ class RopeProperties(Detector):
 
 
 def _rope_seam_at_fault(ctx, head_dim: int, device) -> tuple[str, str] | None:
-    for seam, check in ((APPLY, lambda: apply_rope_problem(ctx.seam(APPLY), head_dim, device)),
-                        (ROPE_AT, lambda: rope_at_problem(ctx.seam(ROPE_AT), head_dim, device))):
+    """(seam, problem) of the first RoPE part the run offers (its apply_rope role, the reference's rope_at) that
+    breaks its contract; None if they keep them (or none is offered)."""
+    checks = []
+    if "apply_rope" in ctx.roles:
+        checks.append((ctx.role_seam("apply_rope"), lambda: rope_pair_problem(ctx.role("apply_rope"), head_dim,
+                                                                               device)))
+    if ctx.known_seam(ROPE_AT):  # the reference's table lookup
+        checks.append((ROPE_AT, lambda: rope_at_problem(ctx.seam(ROPE_AT), head_dim, device)))
+    for seam, check in checks:
         problem = check()
         if problem:
             return seam, problem
@@ -253,9 +299,8 @@ def _rope_seam_at_fault(ctx, head_dim: int, device) -> tuple[str, str] | None:
 @register
 class ShiftInvariance(Detector):
     id = "shift_invariance"
-    needs_run = ("corpus.train",)
-    needs_config = ("model.n_embd", "model.n_head", "model.max_positions", "model.rope_base", "train.device")
-    needs_seams = (APPLY, ROPE_AT, ATTN_FORWARD)
+    needs_facts = ("train_docs", "head_dim", "max_positions", "device")
+    needs_roles = ("forward",)
     family = "position"
     passive = False
     description = ("shifting every position id by a constant must not change an attention module's output (a copy with "
@@ -273,9 +318,11 @@ class ShiftInvariance(Detector):
                 self._model_probe(ctx, "after training")
 
     def _module_probe(self, ctx) -> None:
+        """The reference's attention module alone (its forward takes the RoPE tables), where the run has it."""
         found = probes.modules_named(ctx, "CausalSelfAttention")
-        if not found:
+        if not found or not ctx.known_seam(ATTN_FORWARD):
             return
+        self.require(ctx, config=("model.n_embd", "model.n_head", "model.rope_base"))
         module = copy.deepcopy(found[0][1]).eval()
         device = probes.device(ctx)
         gen = torch.Generator().manual_seed(17)
@@ -311,24 +358,25 @@ class ShiftInvariance(Detector):
 
     def _model_probe(self, ctx, when: str) -> None:
         device = probes.device(ctx)
-        docs = [list(d) for d in ctx.run.corpus.train[:400] if 16 <= len(d) <= 40][:3]
+        docs = [list(d) for d in ctx.fact("train_docs")[:400] if 16 <= len(d) <= 40][:3]
         if len(docs) < 2:
             return
         width = min(len(d) for d in docs)
-        shift = min(8, ctx.config.model.max_positions - width)
+        shift = min(8, ctx.fact("max_positions") - width)
         if shift <= 0:
             return
         ids = torch.tensor([d[:width] for d in docs], device=device)
         pos = torch.arange(width, device=device)[None].expand(len(docs), width)
+        forward = ctx.role("forward")
         try:
-            a = ctx.run.model(ids, None, pos).float()
-            b = ctx.run.model(ids, None, pos + shift).float()
+            a = forward(ids, None, pos).float()
+            b = forward(ids, None, pos + shift).float()
         except Exception:  # noqa: BLE001
             return
         gap = float((a - b).abs().max() / max(1.0, float(a.abs().max())))
         if gap <= SHIFT_TOL:
             return
-        head_dim = ctx.config.model.n_embd // ctx.config.model.n_head
+        head_dim = ctx.fact("head_dim")
         evidence = {"relative_logit_change": gap, "shift": shift, "when": when}
         at_fault = _rope_seam_at_fault(ctx, head_dim, device)
         if at_fault:
@@ -344,9 +392,8 @@ class ShiftInvariance(Detector):
 @register
 class KVCacheConsistency(Detector):
     id = "kv_cache_consistency"
-    needs_run = ("corpus.train", "corpus.val", "tokenizer.pad_id")
-    needs_config = ("model.n_layer", "train.device")
-    needs_seams = (KV_UPDATE, POSITIONS, BUILD_MASK, ATTEND, GENERATE)
+    needs_facts = ("train_docs", "val_docs", "pad_id", "max_positions", "device")
+    needs_roles = ("forward",)
     family = "position"
     passive = False
     description = ("KVCache.update's contract; cached greedy decode of left-padded prompts vs one uncached forward "
@@ -356,6 +403,11 @@ class KVCacheConsistency(Detector):
     MAX_NEW = 8
 
     def on_start(self, ctx) -> None:
+        if not ctx.known_seam(GENERATE):  # a stack whose cached decoding is offered as a role
+            self.require(ctx, roles=("decode",))
+            self._decode_by_role(ctx, "at init")
+            return
+        self.require(ctx, config=("model.n_layer",), seams=(KV_UPDATE, POSITIONS, BUILD_MASK, ATTEND))
         with ctx.probe():
             problem = kv_cache_problem(ctx.seam("model.gpt.KVCache"), probes.device(ctx))
         if problem:
@@ -366,15 +418,62 @@ class KVCacheConsistency(Detector):
 
     def on_end(self, ctx, metrics) -> None:
         if not self.findings:
-            self._decode_probe(ctx, "after training")
+            if ctx.known_seam(GENERATE):
+                self._decode_probe(ctx, "after training")
+            else:
+                self._decode_by_role(ctx, "after training")
 
     def _prompts(self, ctx):
-        tok = ctx.run.tokenizer
-        docs = [list(d) for d in ctx.run.corpus.val[:200] if len(d) >= 12][:3]
+        docs = [list(d) for d in ctx.fact("val_docs")[:200] if len(d) >= 12][:3]
         if len(docs) < 3:
-            docs = [list(d) for d in ctx.run.corpus.train[:400] if len(d) >= 12][:3]
+            docs = [list(d) for d in ctx.fact("train_docs")[:400] if len(d) >= 12][:3]
         prompts = [d[:n] for d, n in zip(docs, (5, 12, 8), strict=False)]
-        return probes.pad(prompts, tok.pad_id, probes.device(ctx), "left")
+        return probes.pad(prompts, ctx.fact("pad_id"), probes.device(ctx), "left")
+
+    def _decode_by_role(self, ctx, when: str) -> None:
+        """The decode role's greedy cached decoding of left-padded prompts against one uncached forward (the forward
+        role, positions counted from each row's first real token) over the same tokens."""
+        n = self.MAX_NEW
+        with ctx.probe():
+            ids, mask = self._prompts(ctx)
+            T0 = ids.shape[1]
+            if T0 + n > ctx.fact("max_positions"):
+                return
+            try:
+                tokens, cached = ctx.role("decode")(ids, mask, n)
+                full_ids = torch.cat([ids, tokens[:, :-1]], dim=1)
+                full_mask = torch.cat([mask, torch.ones_like(full_ids[:, T0:])], dim=1)
+                positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+                uncached = ctx.role("forward")(full_ids, full_mask, positions).float()[:, T0 - 1:]
+            except Exception as exc:  # noqa: BLE001 - a crash in cached decoding is evidence too
+                self._localize_by_role(ctx, when, f"cached decoding raises {type(exc).__name__}: {str(exc)[:160]}",
+                                       {"error": str(exc)[:300]})
+                return
+        cached = cached.float()
+        if tuple(cached.shape) != tuple(uncached.shape):
+            gap = float("inf")
+        elif bool(torch.isfinite(uncached).all()) and bool(torch.isfinite(cached).all()):
+            gap = float((cached - uncached).abs().max() / max(1.0, float(uncached.abs().max())))
+        else:
+            gap = float("inf")
+        if gap > CACHE_TOL:
+            self._localize_by_role(ctx, when, "cached decoding disagrees with an uncached forward over the same "
+                                   f"tokens (relative logit gap {gap:.3g})",
+                                   {"relative_logit_gap": gap, "when": when, "prompt_lengths": mask.sum(1).tolist()})
+
+    def _localize_by_role(self, ctx, when: str, what: str, evidence: dict) -> None:
+        """The KV cache's own contract where the run offers it as a role; else the decoding loop's state."""
+        if "kv_append" in ctx.roles:
+            with ctx.probe():
+                problem = kv_append_problem(ctx.role("kv_append"), probes.device(ctx))
+            if problem:
+                evidence["contract_problem"] = problem
+                self.report(ctx, "model", ctx.role_seam("kv_append"), f"{when}: {what}; the KV cache breaks its "
+                            f"contract: {problem}", evidence, confidence=0.8)
+                return
+        self.report(ctx, "position", ctx.role_seam("decode"), f"{when}: {what}; the KV cache keeps its contract, so "
+                    "the state decoding carries from step to step (positions, cache offsets, mask) is suspect",
+                    evidence, confidence=0.6)
 
     def _decode_probe(self, ctx, when: str) -> None:
         cfg = ctx.config.model

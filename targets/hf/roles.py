@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from faultbench.detectors.api import Role
 
@@ -31,6 +32,21 @@ def _collate(run, torch_call):
             tok.padding_side = was
 
     return collate
+
+
+def _pad(run, pad):
+    """The tokenizer's padding (``pad`` -> ``_pad`` per example) on ``side``."""
+    def padded(docs, pad_id: int, side: str) -> dict:
+        tok = run.tokenizer
+        if pad_id != tok.pad_token_id:
+            raise ValueError(f"the tokenizer pads with its pad id {tok.pad_token_id}, not {pad_id}")
+        was, tok.padding_side = tok.padding_side, side
+        try:
+            return dict(tok.pad({"input_ids": [list(d) for d in docs]}, return_tensors="pt"))
+        finally:
+            tok.padding_side = was
+
+    return padded
 
 
 def _forward(run, forward):
@@ -104,6 +120,41 @@ def _make_scheduler(run, create_scheduler):
     return make
 
 
+def _apply_rope(run, apply_rotary):
+    """Llama's rotation with the angles laid out as it lays them out: each frequency's cos/sin on both halves."""
+    def apply(q, k, cos, sin):
+        return apply_rotary(q, k, torch.cat([cos, cos], -1)[:, 0], torch.cat([sin, sin], -1)[:, 0])
+
+    return apply
+
+
+def _decode(run, update_kwargs):
+    """``generate``'s greedy decoding (its DynamicCache; the decode state carried from step to step is what
+    ``_update_model_kwargs_for_generation`` updates: positions, cache position, mask), like the forward role without
+    the autocast wrapper accelerate puts on the instance under mixed precision (put back after the call)."""
+    def decode(input_ids, attention_mask, new: int):
+        model = run.model
+        wrapped = model.__dict__.pop("forward", None)
+        try:
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=run.pad_id)
+        finally:
+            if wrapped is not None:
+                model.forward = wrapped
+        return out.sequences[:, input_ids.shape[1]:], torch.stack(out.logits, 1)
+
+    return decode
+
+
+def _kv_append(run, update):
+    def fresh():
+        layer = DynamicLayer()
+        return lambda k, v: update(layer, k, v)
+
+    return fresh
+
+
 def _causal_skip(run, ignore_causal_mask):
     """SDPA's decision to drop the explicit mask, for the last ``query_len`` queries of an empty cache's prefill."""
     def skip(attention_mask, query_len: int) -> bool:
@@ -124,6 +175,9 @@ ROLES = {
     "collate": Role("transformers.data.data_collator.DataCollatorForLanguageModeling.torch_call", _collate),
     "forward": Role("transformers.models.llama.modeling_llama.LlamaForCausalLM.forward", _forward),
     "loss": Role("transformers.loss.loss_utils.ForCausalLMLoss", _loss),
+    "token_loss": Role("transformers.loss.loss_utils.fixed_cross_entropy",
+                       lambda run, ce: lambda logits, targets, num_targets=None: ce(logits, targets, num_targets)),
+    "pad": Role("transformers.tokenization_utils_base.PreTrainedTokenizerBase._pad", _pad),
     "count_targets": Role(f"{_TRAINER}._get_num_items_in_batch", _count_targets),
     "lr_at": Role("transformers.optimization._get_cosine_schedule_with_warmup_lr_lambda", _lr_at),
     "make_scheduler": Role(f"{_TRAINER}.create_scheduler", _make_scheduler),
@@ -131,6 +185,10 @@ ROLES = {
     "optimizer_groups": Role(f"{_TRAINER}.create_optimizer"),
     "decay_names": Role(f"{_TRAINER}.get_decay_parameter_names", lambda run, names: lambda model: names(
         run.trainer, model)),
+    "apply_rope": Role("transformers.models.llama.modeling_llama.apply_rotary_pos_emb", _apply_rope),
+    "repeat_kv": Role("transformers.models.llama.modeling_llama.repeat_kv"),  # the eager path's (sdpa has its own)
+    "decode": Role("transformers.generation.utils.GenerationMixin._update_model_kwargs_for_generation", _decode),
+    "kv_append": Role("transformers.cache_utils.DynamicLayer.update", _kv_append),
     "mask_builder": Role(f"{_MASKS}.create_causal_mask", _mask_builder),
     "causal_mask_mod": Role(f"{_MASKS}.causal_mask_function"),
     "padding_mask_mod": Role(f"{_MASKS}.padding_mask_function"),

@@ -125,6 +125,14 @@ class HFRun:
         return self.trainer.args.weight_decay
 
     @property
+    def head_dim(self) -> int:
+        return self.model.config.head_dim
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    @property
     def steps(self) -> int:
         return self.trainer.args.max_steps
 

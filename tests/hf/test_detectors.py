@@ -18,7 +18,8 @@ GENERAL = {"batch_special_ids", "loss_vs_floor", "padding_waste", "graph_retenti
            "rank_agreement", "loss_curve", "crash_triage"}
 # detectors that probe roles (detectors.api.ROLES) the HF target offers (targets/hf/roles.py)
 BY_ROLE = {"corpus_invariants", "collate_contract", "mask_contract", "causality_probe", "padding_invariance",
-           "loss_contract", "optimizer_config", "lr_schedule", "grad_hygiene", "split_overlap"}
+           "loss_contract", "optimizer_config", "lr_schedule", "grad_hygiene", "split_overlap", "attend_contract",
+           "shift_invariance", "kv_cache_consistency"}
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,9 @@ def test_the_suite_on_a_clean_hf_case_is_silent_and_says_what_does_not_apply(rec
     reasons = {d: s["not_applicable"] for d, s in record["summaries"].items() if "not_applicable" in s}
     assert not (GENERAL | BY_ROLE) & set(reasons), {d: reasons[d] for d in (GENERAL | BY_ROLE) & set(reasons)}
     # the reference's probes name what this run lacks: a seam outside its table, a config section, a component
-    assert "seam model.attention.attend" in reasons["attend_contract"]
+    assert "seam model.train.forward_loss" in reasons["forward_loss_contract"]
     assert "config.train.precision" in reasons["scaler_monitor"]
-    assert "run.corpus.train" in reasons["shift_invariance"]
+    assert "run.corpus.train" in reasons["module_composition"]
     assert all(r.startswith("on_") and "this run has no" in r for r in reasons.values()), reasons
     # every other detector is judged at its first hook; resume_continuity's fire only around a checkpoint
     assert set(ids) - GENERAL - BY_ROLE - set(reasons) == {"resume_continuity"}

@@ -87,6 +87,16 @@ FOUND_BY_ROLE = {
     "hf_wd_on_norm_weights": ("fp32", "optimizer_config", f"{HF}.get_decay_parameter_names"),
     "hf_huge_lr": ("fp32", "optimizer_config", f"{HF}.create_optimizer"),
     "hf_sched_wrong_num_steps": ("accum", "lr_schedule", f"{HF}.create_scheduler"),
+    "hf_loss_sum_reduction": ("fp32", "loss_contract", "transformers.loss.loss_utils.fixed_cross_entropy"),
+    "hf_pad_side_mismatch": ("fp32", "collate_contract",
+                             "transformers.tokenization_utils_base.PreTrainedTokenizerBase._pad"),
+    "hf_eos_masked_pad_eq_eos": ("fp32", "collate_contract", "targets.hf.data.wrap_tokenizer"),
+    "hf_repeat_kv_tiled": ("eager", "attend_contract", "transformers.models.llama.modeling_llama.repeat_kv"),
+    "hf_rope_q_only": ("fp32", "shift_invariance", "transformers.models.llama.modeling_llama.apply_rotary_pos_emb"),
+    "hf_kv_cache_prepends_new_states": ("fp32", "kv_cache_consistency", "transformers.cache_utils.DynamicLayer.update"),
+    "hf_cache_positions_ignore_past": (
+        "fp32", "kv_cache_consistency",
+        "transformers.generation.utils.GenerationMixin._update_model_kwargs_for_generation"),
 }
 
 
@@ -101,8 +111,9 @@ def test_a_role_probe_finds_the_fault_of_the_component_and_names_its_seam(fault,
     assert [f.seam for f in detector.findings][:1] == [seam], [f.message for f in detector.findings]
 
 
-def test_a_probe_finds_nothing_on_the_clean_components_the_faults_above_break(tmp_path):
-    ctx = context(started("accum", tmp_path))
+@pytest.mark.parametrize("recipe", ["accum", "eager"])
+def test_a_probe_finds_nothing_on_the_clean_components_the_faults_above_break(recipe, tmp_path):
+    ctx = context(started(recipe, tmp_path))
     for detector_id in sorted({d for _, d, _ in FOUND_BY_ROLE.values()}):
         detector = all_detectors()[detector_id]()
         detector.check_applicable(ctx)
