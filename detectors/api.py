@@ -168,10 +168,14 @@ ROLES = {
     "and_mask_mods": "(*mask functions) -> the mask function of their intersection",
     "causal_skip": "(attention_mask (B, T_k) 0/1, query_len) -> bool: whether the stack may attend plain causally "
                    "without an explicit mask (exact only without padding)",
+    "evaluate": "(docs: token-id lists) -> the stack's evaluation of the model on them: the mean next-token loss per "
+                "target (over every rank's share where the stack splits them)",
     "split_of": "(document text, val_fraction) -> 'train' | 'val': the split a document belongs to",
     "lr_at": "(step) -> the LR of that optimizer step by the run's schedule function at the configured settings",
     "make_scheduler": "(optimizer) -> an LR scheduler built the run's way for that optimizer (stepped once per "
                       "optimizer step)",
+    "accumulation": "the code that decides how the micro-batch losses of an accumulation window are normalized (not "
+                    "called)",
     "train_step": "the code of one optimizer step: forwards and backwards of its micro-batches, clipping, the "
                   "optimizer and scheduler steps, clearing the gradients (not called)",
     "optimizer_step": "(optimizer, scaler, scheduler) -> whether the scaler skipped: step through the scaler, update "

@@ -63,9 +63,7 @@ def replicate_eval(ctx, docs, batch_size: int) -> dict:
 @register
 class EvalContract(Detector):
     id = "eval_contract"
-    needs_run = ("corpus.val", "tokenizer.pad_id")
-    needs_config = ("data.seq_len", "data.pad_side", "train.precision")
-    needs_seams = (EVALUATE, COLLATE, LM_LOSS, COUNT_TARGETS, AUTOCAST)
+    needs_facts = ("val_docs", "pad_id", "seq_len", "pad_side", "precision")
     family = "eval"
     passive = False
     description = ("evaluate runs the model in eval mode, restores its mode, and returns the token-mean loss over "
@@ -77,6 +75,7 @@ class EvalContract(Detector):
         self._eval_modes: list[bool] = []
         self._probe_modes: list[bool] | None = None
         self._reported_mode = False
+        self._reported_kinds: set[str] = set()
         self._probe: dict = {}
 
     def summary(self) -> dict:
@@ -95,12 +94,25 @@ class EvalContract(Detector):
 
         self._handle = ctx.run.model.register_forward_pre_hook(pre_hook)
 
+    def check_applicable(self, ctx) -> None:
+        super().check_applicable(ctx)
+        if not ctx.known_seam(EVALUATE):  # the reference's evaluate, or a stack's evaluate role and the forward's
+            self.require(ctx, roles=("evaluate", "collate", "forward"))
+
     def on_checkpoint_load(self, ctx, path) -> None:
         self._watch(ctx)
 
     def on_start(self, ctx) -> None:
         self._watch(ctx)
-        self._probe_evaluate(ctx, "start")
+        self._check_evaluation(ctx, "start")
+
+    def _check_evaluation(self, ctx, moment: str) -> None:
+        if ctx.known_seam(EVALUATE):
+            self.require(ctx, run=("corpus.val", "tokenizer.pad_id"), config=("data.seq_len", "train.precision"),
+                         seams=(COLLATE, LM_LOSS, COUNT_TARGETS, AUTOCAST))
+            self._probe_evaluate(ctx, moment)
+        else:
+            self._probe_by_role(ctx, moment)
 
     def on_end(self, ctx, metrics) -> None:
         if self._handle is not None:
@@ -108,12 +120,12 @@ class EvalContract(Detector):
             self._handle = None
         if any(self._eval_modes) and not self._reported_mode:
             self._reported_mode = True
-            self.report(ctx, "eval", EVALUATE,
+            self.report(ctx, "eval", ctx.known_seam(EVALUATE) or ctx.role_seam("evaluate"),
                         f"the end-of-run evaluation ran {sum(self._eval_modes)} of {len(self._eval_modes)} forwards "
                         "with the model in train mode (dropout and other train-mode behaviour stay on)",
                         {"forwards": len(self._eval_modes), "in_train_mode": sum(self._eval_modes)}, confidence=0.9)
         if not self.findings:  # again with the trained model: aggregation errors can hide behind uniform logits
-            self._probe_evaluate(ctx, "end")
+            self._check_evaluation(ctx, "end")
 
     def _probe_evaluate(self, ctx, moment: str) -> None:
         """Call the run's evaluate (model in train mode) and compare it with its contract."""
@@ -157,6 +169,63 @@ class EvalContract(Detector):
         if problems:
             self.report(ctx, "eval", EVALUATE, "evaluate breaks its contract: " + "; ".join(problems), evidence,
                         confidence=0.9)
+
+    def _probe_by_role(self, ctx, moment: str) -> None:
+        """The evaluate role (model in train mode) against the mean loss per target of the same documents, collated
+        by the collate role and scored by the forward role in eval mode: exact on one rank in fp32; over ranks the
+        stack may weight their shares by documents (within 10%)."""
+        docs = [d for d in ctx.fact("val_docs") if 2 <= len(d) <= ctx.fact("seq_len")][:PROBE_DOCS]
+        if len(docs) < 4:
+            return
+        model = ctx.run.model
+        with ctx.probe(train_mode=True):
+            self._probe_modes = []
+            try:
+                value, error = float(ctx.role("evaluate")(docs)), None
+            except Exception as exc:  # noqa: BLE001
+                value, error = None, f"{type(exc).__name__}: {exc}"
+            finally:
+                modes, self._probe_modes = self._probe_modes, None
+            try:
+                reference, again = self._token_mean(ctx, docs), self._token_mean(ctx, docs)
+            except Exception:  # noqa: BLE001 - the model or collate cannot run these docs: not the evaluation's fault
+                reference = again = None
+            model.train()
+        if reference is not None and reference != again and "nondeterministic" not in self._reported_kinds:
+            self._reported_kinds.add("nondeterministic")  # the model itself: dropout or sampling left on in eval mode
+            self.report(ctx, "model", ctx.role_seam("forward"), f"{moment}: two eval-mode forwards of the same "
+                        f"documents give different losses ({reference:.6f}, {again:.6f}): the model's eval-mode "
+                        "forward is not a function of its inputs (dropout or sampling still on)",
+                        {"moment": moment, "losses": [reference, again]}, confidence=0.85)
+        self._probe[moment] = {"evaluate": value, "reference": reference, "forwards_in_train_mode": sum(modes)}
+        problems = []
+        if any(modes):
+            problems.append(f"the evaluation ran {sum(modes)} of {len(modes)} forwards with the model in train mode "
+                            "(dropout and other train-mode behaviour stay on)")
+            self._reported_mode = True
+        tolerance = REL_TOL if ctx.run.world_size == 1 else 0.1
+        if reference is not None and error is not None:
+            problems.append(f"the evaluation raised {error} on documents the model and collate handle")
+        elif reference is not None and ctx.fact("precision") == "fp32" and abs(value - reference) > tolerance * max(
+                1.0, abs(reference)):
+            problems.append(f"the evaluation returned {value:.4f} but the mean loss per target of the same documents "
+                            f"is {reference:.4f}")
+        if problems:
+            self.report(ctx, "eval", ctx.role_seam("evaluate"), "the evaluation breaks its contract: "
+                        + "; ".join(problems), {"moment": moment, **self._probe[moment], "docs": len(docs)},
+                        confidence=0.9)
+
+    @staticmethod
+    def _token_mean(ctx, docs) -> float:
+        """The mean next-token cross-entropy per target of ``docs`` in one batch, in eval mode, computed here."""
+        batch = probes.collate(ctx, docs)
+        ctx.run.model.eval()
+        logits = probes.logits(ctx, batch["input_ids"], batch["attention_mask"], batch.get("position_ids"))
+        ignore = probes.ignore_value(batch["labels"].cpu(), batch["attention_mask"].cpu())
+        targets = batch["labels"][:, 1:]
+        total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore,
+                                reduction="sum")
+        return float(total) / max(int((targets != ignore).sum()), 1)
 
     def on_crash(self, ctx, crash) -> None:
         if self._handle is not None:

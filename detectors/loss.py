@@ -24,7 +24,6 @@ from faultbench.detectors import probes
 from faultbench.detectors.api import Detector, register
 
 FORWARD_LOSS = "model.train.forward_loss"
-TRAIN_STEP = "model.train.train_step"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -313,14 +312,12 @@ class ForwardLossContract(Detector):
 @register
 class LogitGradScale(Detector):
     id = "logit_grad_scale"
-    needs_run = ("corpus.train", "tokenizer.pad_id")
-    needs_config = ("model.vocab_size", "train.precision", "train.device")
-    needs_roles = ("collate", "loss")
-    needs_seams = (FORWARD_LOSS, TRAIN_STEP)
+    needs_facts = ("train_docs", "pad_id", "vocab_size", "precision", "device")
+    needs_roles = ("collate", "loss", "train_step")
     family = "loss"
     passive = True
     description = ("d(loss)/d(logits) per target row has L1 <= 2*scale/N (N: the step's targets) and is zero on rows "
-                   "without a target")
+                   "without a target; on one rank it is exactly scale * (softmax - onehot) / N")
 
     def __init__(self) -> None:
         super().__init__()
@@ -337,8 +334,13 @@ class LogitGradScale(Detector):
     ROWS = 8  # rows of each micro-batch checked (the bound holds row by row)
 
     def on_start(self, ctx) -> None:
-        lm_loss_problems(ctx)  # the verdicts used to localize, computed outside the training steps
-        forward_loss_problems(ctx)
+        self._verdicts(ctx)  # the verdicts used to localize, computed outside the training steps
+
+    @staticmethod
+    def _verdicts(ctx) -> tuple[dict | None, dict | None]:
+        """The loss role's verdict and, where the run has the reference's forward_loss, that one's."""
+        fl = forward_loss_problems(ctx) if ctx.known_seam(FORWARD_LOSS) else {"problems": {}}
+        return lm_loss_problems(ctx), fl
 
     def on_batch(self, ctx, micro_batches) -> None:
         self._sampled = probes.sampled(ctx.step, first=2, every=16) and len(self._reported) < 2
@@ -375,12 +377,18 @@ class LogitGradScale(Detector):
         evidence = {"max_row_l1": worst, "bound_2scale_over_N": bound, "ratio": ratio, "targets_N": self._targets,
                     "loss_scale": scale, "micro_batch": index, "accum": len(self._labels),
                     "world_size": ctx.run.world_size}
+        logits = self._logits[index] if index < len(self._logits) else None
         if ratio > tolerance and "scale" not in self._reported:
             self._reported.add("scale")
-            logits = self._logits[index] if index < len(self._logits) else None
             if finite or (scale > 1 and logits is not None and bool(torch.isfinite(logits).all())):
                 # (non-finite gradients of non-finite logits are a forward problem: nonfinite_origin's business)
                 self._report_scale(ctx, ratio, finite, evidence)
+        elif finite and ctx.run.world_size == 1 and logits is not None and index < len(self._labels) \
+                and "scale" not in self._reported:
+            exact = self._exact_ratio(grad_logits[:rows], logits[:rows], self._labels[index][:rows]) / scale
+            if abs(exact - 1) > (0.02 if ctx.fact("precision") == "fp32" else 0.1):
+                self._reported.add("scale")
+                self._report_scale(ctx, exact, True, {**evidence, "exact_ratio": exact}, exact=True)
         # rows whose next label is ignored (and the last column) must get no gradient
         if finite and ctx.step < 2 and index < len(self._labels) and "ignored" not in self._reported:
             labels = self._labels[index]
@@ -399,16 +407,32 @@ class LogitGradScale(Detector):
                                 "the last column) receive a gradient in the logits",
                                 {**evidence, "max_leak_l1": float(leak.abs().max())}, confidence=0.5)
 
-    def _report_scale(self, ctx, ratio, finite, evidence) -> None:
-        lm = lm_loss_problems(ctx)
-        fl = forward_loss_problems(ctx)
+    def _exact_ratio(self, grad: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> float:
+        """<grad, g> / <g, g> for g = (softmax(logits) - onehot(next label)) / N on the target positions: the gradient
+        of the window's token-mean loss over its N targets (rows x T)."""
+        next_labels = labels[:, 1:].to(logits.device)
+        valid = next_labels != self._ignore
+        p = logits[:, :-1].double().softmax(-1)
+        p.scatter_add_(-1, next_labels.clamp(min=0).unsqueeze(-1), -torch.ones_like(p[..., :1]))
+        g = p * valid.unsqueeze(-1) / self._targets
+        live = grad[:, :-1].double()
+        norm = float((g * g).sum())
+        return float((live * g).sum()) / norm if norm > 0 else 1.0
+
+    def _report_scale(self, ctx, ratio, finite, evidence, exact: bool = False) -> None:
+        lm, fl = self._verdicts(ctx)
         if lm is None or fl is None or lm["problems"] or fl["problems"]:
             return  # the loss functions break their contracts: their own detectors localize it
-        what = (f"d(loss)/d(logits) is {ratio:.3g}x the largest value a token-mean loss allows"
-                if finite else "d(loss)/d(logits) overflows to inf/NaN although a token-mean loss bounds it by "
-                               f"{evidence['bound_2scale_over_N']:.3g}")
-        self.report(ctx, ctx.seams.get(TRAIN_STEP, "optimizer"), TRAIN_STEP,
-                    f"{what}; lm_loss and forward_loss honour their contracts, so the extra factor enters in the "
+        if exact:
+            what = (f"d(loss)/d(logits) is {ratio:.3g}x the gradient of the window's token-mean loss over its "
+                    f"{evidence['targets_N']} targets")
+        else:
+            what = (f"d(loss)/d(logits) is {ratio:.3g}x the largest value a token-mean loss allows"
+                    if finite else "d(loss)/d(logits) overflows to inf/NaN although a token-mean loss bounds it by "
+                                   f"{evidence['bound_2scale_over_N']:.3g}")
+        seam = ctx.role_seam("accumulation") or ctx.role_seam("train_step")
+        self.report(ctx, ctx.seams.get(seam, "optimizer"), seam,
+                    f"{what}; the loss functions honour their contracts, so the extra factor enters in the "
                     "training step (how it normalizes or scales the micro-batch losses)", evidence,
                     confidence=0.75 if finite else 0.6)
 

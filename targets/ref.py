@@ -27,6 +27,7 @@ ROLES = {
     "lr_at": Role("model.optim.lr_at", lambda run, lr_at: lambda step: lr_at(step, run.config.train)),
     "make_scheduler": Role("model.optim.make_scheduler", lambda run, make: lambda opt: make(opt, run.config.train)),
     "train_step": Role("model.train.train_step"),
+    "accumulation": Role("model.train.train_step"),  # it divides by the window's target count
     "optimizer_step": Role("model.train.optimizer_step"),
     "clip_gradients": Role("model.train.clip_gradients"),
     "split_of": Role("model.corpus.split_of"),

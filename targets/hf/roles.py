@@ -155,6 +155,14 @@ def _kv_append(run, update):
     return fresh
 
 
+def _evaluate(run, evaluation_loop):
+    """``Trainer.evaluate`` on ``docs`` (its evaluation loop and eval batch size: one batch of a probe's documents)."""
+    def evaluate(docs) -> float:
+        return float(run.trainer.evaluate(eval_dataset=[{"input_ids": list(d)} for d in docs])["eval_loss"])
+
+    return evaluate
+
+
 def _causal_skip(run, ignore_causal_mask):
     """SDPA's decision to drop the explicit mask, for the last ``query_len`` queries of an empty cache's prefill."""
     def skip(attention_mask, query_len: int) -> bool:
@@ -181,12 +189,15 @@ ROLES = {
     "count_targets": Role(f"{_TRAINER}._get_num_items_in_batch", _count_targets),
     "lr_at": Role("transformers.optimization._get_cosine_schedule_with_warmup_lr_lambda", _lr_at),
     "make_scheduler": Role(f"{_TRAINER}.create_scheduler", _make_scheduler),
+    # its accelerator's gradient-accumulation plugin: whether backward divides the loss again
+    "accumulation": Role(f"{_TRAINER}.create_accelerator_and_postprocess"),
     "train_step": Role(f"{_TRAINER}._run_epoch"),  # Trainer's step loop: clip, step, scheduler step, zero_grad
     "optimizer_groups": Role(f"{_TRAINER}.create_optimizer"),
     "decay_names": Role(f"{_TRAINER}.get_decay_parameter_names", lambda run, names: lambda model: names(
         run.trainer, model)),
     "apply_rope": Role("transformers.models.llama.modeling_llama.apply_rotary_pos_emb", _apply_rope),
     "repeat_kv": Role("transformers.models.llama.modeling_llama.repeat_kv"),  # the eager path's (sdpa has its own)
+    "evaluate": Role(f"{_TRAINER}.evaluation_loop", _evaluate),
     "decode": Role("transformers.generation.utils.GenerationMixin._update_model_kwargs_for_generation", _decode),
     "kv_append": Role("transformers.cache_utils.DynamicLayer.update", _kv_append),
     "mask_builder": Role(f"{_MASKS}.create_causal_mask", _mask_builder),

@@ -94,6 +94,9 @@ FOUND_BY_ROLE = {
     "hf_repeat_kv_tiled": ("eager", "attend_contract", "transformers.models.llama.modeling_llama.repeat_kv"),
     "hf_rope_q_only": ("fp32", "shift_invariance", "transformers.models.llama.modeling_llama.apply_rotary_pos_emb"),
     "hf_kv_cache_prepends_new_states": ("fp32", "kv_cache_consistency", "transformers.cache_utils.DynamicLayer.update"),
+    "hf_eval_in_train_mode": ("resume", "eval_contract", f"{HF}.evaluation_loop"),
+    "hf_attention_dropout_in_eval": ("resume", "eval_contract",
+                                     "transformers.models.llama.modeling_llama.LlamaForCausalLM.forward"),
     "hf_cache_positions_ignore_past": (
         "fp32", "kv_cache_consistency",
         "transformers.generation.utils.GenerationMixin._update_model_kwargs_for_generation"),
@@ -109,6 +112,18 @@ def test_a_role_probe_finds_the_fault_of_the_component_and_names_its_seam(fault,
         detector.check_applicable(ctx)
         detector.on_start(ctx)
     assert [f.seam for f in detector.findings][:1] == [seam], [f.message for f in detector.findings]
+
+
+def test_the_gradient_a_window_sends_into_the_logits_is_that_of_its_token_mean_loss_on_hf():
+    """logit_grad_scale's exact check through Trainer's hooks: clean accumulation is silent; a loss divided by the
+    accumulation steps twice (Trainer, then Accelerator.backward) is found and traced to the accumulation setup."""
+    from faultbench.targets.hf.case import run_case
+
+    assert run_case("accum", 0, ("logit_grad_scale",))["findings"] == []
+    with injected("hf_ga_loss_divided_twice"):
+        findings = run_case("accum", 0, ("logit_grad_scale",))["findings"]
+    assert [f["seam"] for f in findings] == [f"{HF}.create_accelerator_and_postprocess"], findings
+    assert findings[0]["evidence"]["exact_ratio"] == pytest.approx(0.25, rel=0.05)  # accum = 4
 
 
 @pytest.mark.parametrize("recipe", ["accum", "eager"])
