@@ -181,6 +181,8 @@ ROLES = {
     "optimizer_step": "(optimizer, scaler, scheduler) -> whether the scaler skipped: step through the scaler, update "
                       "it, advance the schedule once, clear the gradients",
     "clip_gradients": "(model, optimizer, scaler, max_norm) -> the true pre-clip norm: unscale, then clip to max_norm",
+    "init_weights": "the code that initializes the model's parameters (not called)",
+    "place_model": "the code that places the model's weights for training: device and dtype (not called)",
     "optimizer_groups": "the code that builds the optimizer and its param groups (read off the run's optimizer: "
                         "not called)",
     "decay_names": "(model) -> the names of the parameters the optimizer's groups decay",

@@ -27,7 +27,6 @@ from faultbench.detectors.api import Detector, NotApplicable, register
 from faultbench.detectors.probes import attend_diagnosis
 
 ATTEND = "model.attention.attend"
-INIT = "model.gpt.GPT.init_weights"
 GPT_FORWARD = "model.gpt.GPT.forward"
 CLASS_SEAMS = {  # a module class of the reference -> the seam that computes its output
     "CausalSelfAttention": "model.attention.CausalSelfAttention.forward",
@@ -169,7 +168,8 @@ class InitEnvelope(Detector):
                 parts.append(f"{len(out_of_envelope)} parameters' RMS at init out of the clean envelope (e.g. "
                              f"{worst[0]}: {worst[1]['rms']:.4g} vs {worst[1]['golden'][0]:.4g}.."
                              f"{worst[1]['golden'][1]:.4g})")
-            self.report(ctx, "model", INIT, "; ".join(parts), evidence=problems, confidence=0.85)
+            self.report(ctx, "model", ctx.role_seam("init_weights"), "; ".join(parts), evidence=problems,
+                        confidence=0.85)
             self._done = True  # activations follow from the parameters: one root cause, one finding
             return
         for name, module in model.named_modules():

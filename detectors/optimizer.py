@@ -188,7 +188,8 @@ class OptimizerConfig(Detector):
     needs_roles = ("optimizer_groups",)
     family = "optimizer"
     passive = False
-    description = "param groups vs the config: every trainable parameter in exactly one group, lr/betas/eps, decay rule"
+    description = ("param groups vs the config: every trainable parameter in exactly one group, lr/betas/eps, decay "
+                   "rule; under mixed precision the optimizer steps fp32 (master) weights")
 
     def problems(self, ctx) -> tuple[list[str], dict]:
         model, opt = ctx.run.model, ctx.run.optimizer
@@ -248,7 +249,31 @@ class OptimizerConfig(Detector):
         wrong = [n for n, p in ctx.run.model.named_parameters() if p.dim() < 2 and n in decayed]
         return f"the decay rule names {len(wrong)} 1-D parameters ({', '.join(wrong[:3])})" if wrong else None
 
+    def _master_weights(self, ctx) -> None:
+        """Mixed precision (bf16/fp16 autocast) keeps the weights the optimizer steps in fp32: an update smaller than
+        a low-precision weight's spacing would be lost."""
+        try:
+            precision = ctx.fact("precision")
+        except NotApplicable:
+            return
+        if precision == "fp32":
+            return
+        low = [n for g in ctx.run.optimizer.param_groups for n, p in self._named(ctx, g["params"])
+               if p.is_floating_point() and torch.finfo(p.dtype).bits < 32]
+        if low:
+            self.report(ctx, "precision", ctx.role_seam("place_model") or ctx.role_seam("optimizer_groups"),
+                        f"the run trains in {precision} mixed precision, but the optimizer steps "
+                        f"{len(low)} parameters held in low precision ({', '.join(low[:3])}): no fp32 master weights, "
+                        "so updates below a weight's spacing are lost", {"low_precision_params": low[:8]},
+                        confidence=0.85)
+
+    @staticmethod
+    def _named(ctx, params):
+        names = {id(p): n for n, p in ctx.run.model.named_parameters()}
+        return [(names.get(id(p), str(tuple(p.shape))), p) for p in params]
+
     def on_start(self, ctx) -> None:
+        self._master_weights(ctx)
         problems, evidence = self.problems(ctx)
         self._at_start = bool(problems)
         if problems:

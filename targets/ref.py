@@ -23,6 +23,7 @@ ROLES = {
     "attend": Role("model.attention.attend"),
     "apply_rope": Role("model.rope.apply_rope", lambda run, apply: lambda q, k, cos, sin: (apply(q, cos, sin),
                                                                                            apply(k, cos, sin))),
+    "init_weights": Role("model.gpt.GPT.init_weights"),
     "optimizer_groups": Role("model.optim.configure_optimizer"),
     "lr_at": Role("model.optim.lr_at", lambda run, lr_at: lambda step: lr_at(step, run.config.train)),
     "make_scheduler": Role("model.optim.make_scheduler", lambda run, make: lambda opt: make(opt, run.config.train)),

@@ -192,6 +192,8 @@ ROLES = {
     # its accelerator's gradient-accumulation plugin: whether backward divides the loss again
     "accumulation": Role(f"{_TRAINER}.create_accelerator_and_postprocess"),
     "train_step": Role(f"{_TRAINER}._run_epoch"),  # Trainer's step loop: clip, step, scheduler step, zero_grad
+    "init_weights": Role("transformers.modeling_utils.PreTrainedModel._init_weights"),
+    "place_model": Role(f"{_TRAINER}._move_model_to_device"),  # the one place Trainer moves (and could cast) weights
     "optimizer_groups": Role(f"{_TRAINER}.create_optimizer"),
     "decay_names": Role(f"{_TRAINER}.get_decay_parameter_names", lambda run, names: lambda model: names(
         run.trainer, model)),

@@ -97,6 +97,7 @@ FOUND_BY_ROLE = {
     "hf_eval_in_train_mode": ("resume", "eval_contract", f"{HF}.evaluation_loop"),
     "hf_attention_dropout_in_eval": ("resume", "eval_contract",
                                      "transformers.models.llama.modeling_llama.LlamaForCausalLM.forward"),
+    "hf_bf16_weights_no_master_copy": ("bf16", "optimizer_config", f"{HF}._move_model_to_device"),
     "hf_cache_positions_ignore_past": (
         "fp32", "kv_cache_consistency",
         "transformers.generation.utils.GenerationMixin._update_model_kwargs_for_generation"),
@@ -126,7 +127,7 @@ def test_the_gradient_a_window_sends_into_the_logits_is_that_of_its_token_mean_l
     assert findings[0]["evidence"]["exact_ratio"] == pytest.approx(0.25, rel=0.05)  # accum = 4
 
 
-@pytest.mark.parametrize("recipe", ["accum", "eager"])
+@pytest.mark.parametrize("recipe", ["accum", "eager", "bf16"])
 def test_a_probe_finds_nothing_on_the_clean_components_the_faults_above_break(recipe, tmp_path):
     ctx = context(started(recipe, tmp_path))
     for detector_id in sorted({d for _, d, _ in FOUND_BY_ROLE.values()}):
