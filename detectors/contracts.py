@@ -399,7 +399,7 @@ _CONTRACTS = (
        "in eval mode a forward is a deterministic function of its inputs: the same row twice gives identical "
        "outputs",
        HF_COMMON + "::test_determinism; " + S003 + ": training/eval mode bugs",
-       BOTH, ("bb_eval_determinism",)),
+       BOTH, ("bb_eval_determinism", "eval_contract")),
     _c("blocks.invariance.batch-independent-norm",
        "normalization acts on each token's features; a row's outputs do not depend on batch size or batch "
        "composition",
@@ -609,7 +609,7 @@ _CONTRACTS = (
     _c("optimizer.numerics.state-precision",
        "optimizer moments and master weights are kept in at least fp32 when parameters are low precision",
        "Micikevicius et al., 'Mixed Precision Training' (2018), sec. 3.1 (fp32 master weights)",
-       BOTH, ("bb_state_precision",)),
+       BOTH, ("bb_state_precision", "optimizer_config")),
     _c("optimizer.numerics.update-ratio",
        "the ratio of update to weight magnitude per step stays in the range known-good runs show",
        "Stanford CS231n notes, 'Neural Networks Part 3' (ratio of weight updates to weights, about 1e-3)",
