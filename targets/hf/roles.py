@@ -156,9 +156,13 @@ def _kv_append(run, update):
 
 
 def _evaluate(run, evaluation_loop):
-    """``Trainer.evaluate`` on ``docs`` (its evaluation loop and eval batch size: one batch of a probe's documents)."""
+    """Trainer's evaluation loop on ``docs`` (its eval batch size: one batch of a probe's documents), as
+    ``Trainer.evaluate`` runs it but without its logging and ``on_evaluate`` callbacks: a probe is no evaluation of
+    the run's (a watch attached through the callback would take its loss for one)."""
     def evaluate(docs) -> float:
-        return float(run.trainer.evaluate(eval_dataset=[{"input_ids": list(d)} for d in docs])["eval_loss"])
+        loader = run.trainer.get_eval_dataloader([{"input_ids": list(d)} for d in docs])
+        out = evaluation_loop(run.trainer, loader, description="faultbench probe", prediction_loss_only=True)
+        return float(out.metrics["eval_loss"])
 
     return evaluate
 

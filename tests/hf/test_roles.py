@@ -70,6 +70,26 @@ def test_the_clean_hf_roles_keep_their_contracts(recipe, tmp_path):
     assert tok.padding_side == RECIPES[recipe].padding_side  # the collate role sets the side for its call only
 
 
+def test_the_evaluate_role_is_a_probe_no_callback_takes_for_an_evaluation_of_the_run(tmp_path):
+    """Trainer.evaluate logs its metrics and calls on_evaluate: a watch attached through the callback would take a
+    probe's loss (other documents, possibly a train-mode model) for the run's (it did: 3 clean 2-rank cases)."""
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Recorder(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            seen.append("on_evaluate")
+
+        def on_log(self, args, state, control, **kwargs):
+            seen.append("on_log")
+
+    run = started("fp32", tmp_path)
+    run.trainer.add_callback(Recorder())
+    loss = context(run).role("evaluate")([[run.bos_id, 7, 8, 9, run.eos_id], [run.bos_id, 10, run.eos_id]])
+    assert loss > 0 and seen == []
+
+
 HF = "transformers.trainer.Trainer"
 MASKS = "transformers.masking_utils"
 # fault -> (recipe, the white-box detector that probes the role it breaks, the seam its finding must name)
