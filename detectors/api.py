@@ -170,6 +170,8 @@ ROLES = {
                    "without an explicit mask (exact only without padding)",
     "evaluate": "(docs: token-id lists) -> the stack's evaluation of the model on them: the mean next-token loss per "
                 "target (over every rank's share where the stack splits them)",
+    "eval_step": "(batch as collate makes it) -> the loss the evaluation takes for that one batch (its mean per "
+                 "target)",
     "split_of": "(document text, val_fraction) -> 'train' | 'val': the split a document belongs to",
     "lr_at": "(step) -> the LR of that optimizer step by the run's schedule function at the configured settings",
     "make_scheduler": "(optimizer) -> an LR scheduler built the run's way for that optimizer (stepped once per "
@@ -181,6 +183,11 @@ ROLES = {
     "optimizer_step": "(optimizer, scaler, scheduler) -> whether the scaler skipped: step through the scaler, update "
                       "it, advance the schedule once, clear the gradients",
     "clip_gradients": "(model, optimizer, scaler, max_norm) -> the true pre-clip norm: unscale, then clip to max_norm",
+    "restore_optimizer": "the code that restores the optimizer's and the LR scheduler's state from a checkpoint (not "
+                         "called)",
+    "restore_position": "the code that restores the loader's position (epoch, batches already drawn) on a resume "
+                        "(not called)",
+    "epoch_order": "the code that sets the permutation a shuffled loader draws each epoch (not called)",
     "init_weights": "the code that initializes the model's parameters (not called)",
     "place_model": "the code that places the model's weights for training: device and dtype (not called)",
     "optimizer_groups": "the code that builds the optimizer and its param groups (read off the run's optimizer: "

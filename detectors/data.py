@@ -23,6 +23,7 @@ import torch
 
 from faultbench.detectors import probes
 from faultbench.detectors.api import Detector, NotApplicable, register
+from faultbench.detectors.blackbox.batches import batch_hash, row_hashes
 
 ENCODE = "model.tokenizer.Tokenizer.encode"
 ENCODE_BATCH = "model.tokenizer.Tokenizer.encode_batch"
@@ -340,3 +341,46 @@ class BatchSpecialIds(probes.BatchWatch):
             self.report(ctx, "collate", ctx.role_seam("collate"),
                         f"{what}; the run's collate pads wrongly even when given tokenizer.pad_id", evidence,
                         confidence=0.8)
+
+
+@register
+class BatchOrder(Detector):
+    id = "batch_order"
+    needs_roles = ("batches",)
+    family = "data"
+    passive = True
+    description = ("no training micro-batch repeats an earlier one exactly: a shuffled loader draws each example once "
+                   "per epoch and a new permutation every epoch, and a resume continues where the saved run stopped")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: dict[int, int] = {}  # micro-batch fingerprint -> the step that drew it
+        self._loaded_at: int | None = None
+
+    def on_checkpoint_load(self, ctx, path) -> None:
+        self._loaded_at = ctx.step
+
+    def on_batch(self, ctx, micro_batches) -> None:
+        if self.findings:
+            return
+        for batch in micro_batches:
+            ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+                return
+            key = batch_hash(row_hashes(ids, mask if isinstance(mask, torch.Tensor) else None))
+            first = self._seen.setdefault(key, ctx.step)
+            if first != ctx.step:
+                self._report_replay(ctx, first)
+                return
+
+    def _report_replay(self, ctx, first: int) -> None:
+        evidence = {"step": ctx.step, "first_drawn_at": first, "resumed_at": self._loaded_at}
+        if ctx.step == self._loaded_at and first < ctx.step:  # the resumed run's first step replays
+            seam, why = ctx.role_seam("restore_position"), (
+                f"the resumed run (from step {self._loaded_at}) draws a micro-batch the saved run drew at step "
+                f"{first}: the loader did not resume where it stopped")
+        else:
+            seam, why = ctx.role_seam("epoch_order"), (
+                f"step {ctx.step} draws exactly the micro-batch of step {first}: the loader replays an earlier order "
+                "(a new epoch must draw a new permutation)")
+        self.report(ctx, ctx.seams.get(seam, "data"), seam, why, evidence, confidence=0.5)

@@ -35,7 +35,6 @@ CLIP = "model.train.clip_gradients"
 TRAIN_STEP = "model.train.train_step"
 COUNT_TARGETS = "model.loss.count_targets"
 FORWARD_LOSS = "model.train.forward_loss"
-LOAD_CHECKPOINT = "model.checkpoint.load_checkpoint"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -287,7 +286,7 @@ class OptimizerConfig(Detector):
             return
         problems, evidence = self.problems(ctx)
         if problems:
-            self.report(ctx, "checkpoint", ctx.known_seam(LOAD_CHECKPOINT), "after resuming, the optimizer's param "
+            self.report(ctx, "checkpoint", ctx.role_seam("restore_optimizer"), "after resuming, the optimizer's param "
                         "groups break the "
                         "configuration: " + "; ".join(dict.fromkeys(problems)), evidence, confidence=0.7)
 
@@ -425,7 +424,7 @@ class LrSchedule(Detector):
         lr = float(ctx.run.optimizer.param_groups[0]["lr"])
         if last != ctx.step or not _close(lr, self.expected(ctx, ctx.step)):
             self._explained = True
-            self.report(ctx, "checkpoint", ctx.known_seam(LOAD_CHECKPOINT),
+            self.report(ctx, "checkpoint", ctx.role_seam("restore_optimizer"),
                         f"after resuming at step {ctx.step} the scheduler is at {last} and the lr is {lr:.4g} "
                         f"(expected {self.expected(ctx, ctx.step):.4g}): the schedule's position was not restored "
                         "with the step", {"step": ctx.step, "scheduler_last_epoch": last, "lr": lr}, confidence=0.7)

@@ -196,6 +196,9 @@ ROLES = {
     # its accelerator's gradient-accumulation plugin: whether backward divides the loss again
     "accumulation": Role(f"{_TRAINER}.create_accelerator_and_postprocess"),
     "train_step": Role(f"{_TRAINER}._run_epoch"),  # Trainer's step loop: clip, step, scheduler step, zero_grad
+    "restore_position": Role(f"{_TRAINER}._init_training_state"),  # where Trainer sets the batches to skip
+    "epoch_order": Role("accelerate.data_loader.SeedableRandomSampler.set_epoch"),
+    "restore_optimizer": Role(f"{_TRAINER}._load_optimizer_and_scheduler"),
     "init_weights": Role("transformers.modeling_utils.PreTrainedModel._init_weights"),
     "place_model": Role(f"{_TRAINER}._move_model_to_device"),  # the one place Trainer moves (and could cast) weights
     "optimizer_groups": Role(f"{_TRAINER}.create_optimizer"),
@@ -204,6 +207,8 @@ ROLES = {
     "apply_rope": Role("transformers.models.llama.modeling_llama.apply_rotary_pos_emb", _apply_rope),
     "repeat_kv": Role("transformers.models.llama.modeling_llama.repeat_kv"),  # the eager path's (sdpa has its own)
     "evaluate": Role(f"{_TRAINER}.evaluation_loop", _evaluate),
+    "eval_step": Role(f"{_TRAINER}.prediction_step", lambda run, step: lambda batch: float(
+        step(run.trainer, run.model, batch, prediction_loss_only=True)[0])),
     "decode": Role("transformers.generation.utils.GenerationMixin._update_model_kwargs_for_generation", _decode),
     "kv_append": Role("transformers.cache_utils.DynamicLayer.update", _kv_append),
     "mask_builder": Role(f"{_MASKS}.create_causal_mask", _mask_builder),

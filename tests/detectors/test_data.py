@@ -1,8 +1,10 @@
 """Data detectors: truncation, tokenizer and batch-id contracts on hand-broken functions; silent on the reference."""
 
 import pytest
+import torch
 
 from faultbench.detectors.data import (
+    BatchOrder,
     BatchSpecialIds,
     CorpusInvariants,
     TokenizerRoundtrip,
@@ -83,3 +85,29 @@ def test_wrong_pad_id_is_blamed_on_the_caller(run):
     clean = BatchSpecialIds()
     clean.on_batch(context(run), [collate(docs, run.tokenizer.pad_id, "right")])
     assert not clean.findings
+
+
+def _micro(rows) -> dict:
+    ids = torch.tensor(rows)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def test_batch_order_finds_a_replayed_micro_batch_and_tells_a_resume_from_an_epoch(run):
+    """A micro-batch drawn again exactly: on the resumed run's first step it is the resume position; later, the
+    epoch's permutation. Distinct batches (the same documents in another order included) are silent."""
+    a, b = [[1, 5, 6, 2], [1, 7, 2, 0]], [[1, 8, 9, 2], [1, 10, 2, 0]]
+    det, ctx = BatchOrder(), context(run)
+    for step, batches in enumerate(([a], [b], [a[::-1]])):
+        run.step = step
+        det.on_batch(ctx, [_micro(x) for x in batches])
+    assert det.findings == []
+    run.step = 3
+    det.on_batch(ctx, [_micro(b)])
+    assert [(f.subsystem, f.seam) for f in det.findings] == [("data", "model.sampler.ResumableSampler.next_indices")]
+    resumed, resumed_ctx = BatchOrder(), context(run)
+    run.step = 0
+    resumed.on_batch(resumed_ctx, [_micro(a)])
+    run.step = 1
+    resumed.on_checkpoint_load(resumed_ctx, "checkpoint")
+    resumed.on_batch(resumed_ctx, [_micro(a)])
+    assert [(f.subsystem, f.seam) for f in resumed.findings] == [("checkpoint", "model.checkpoint.load_checkpoint")]

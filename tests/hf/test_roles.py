@@ -147,6 +147,20 @@ def test_the_gradient_a_window_sends_into_the_logits_is_that_of_its_token_mean_l
     assert findings[0]["evidence"]["exact_ratio"] == pytest.approx(0.25, rel=0.05)  # accum = 4
 
 
+@pytest.mark.parametrize("fault, seam", [
+    (None, None),
+    ("hf_resume_skip_ignores_accumulation", f"{HF}._init_training_state"),
+    ("hf_sampler_epoch_never_advances", "accelerate.data_loader.SeedableRandomSampler.set_epoch"),
+])
+def test_batch_order_on_hf_tells_a_resume_that_replays_batches_from_an_epoch_that_replays_its_order(fault, seam):
+    """The combined recipe resumes at step 6 and starts its second epoch at step 9 (143 documents, 16 a step)."""
+    from faultbench.targets.hf.case import run_case
+
+    with injected(*([fault] if fault else [])):
+        findings = run_case("combined", 0, ("batch_order",))["findings"]
+    assert [f["seam"] for f in findings] == ([seam] if seam else []), findings
+
+
 @pytest.mark.parametrize("recipe", ["accum", "eager", "bf16"])
 def test_a_probe_finds_nothing_on_the_clean_components_the_faults_above_break(recipe, tmp_path):
     ctx = context(started(recipe, tmp_path))
