@@ -19,7 +19,7 @@ GENERAL = {"batch_special_ids", "loss_vs_floor", "padding_waste", "graph_retenti
 # detectors that probe roles (detectors.api.ROLES) the HF target offers (targets/hf/roles.py)
 BY_ROLE = {"corpus_invariants", "collate_contract", "mask_contract", "causality_probe", "padding_invariance",
            "loss_contract", "optimizer_config", "lr_schedule", "grad_hygiene", "split_overlap", "attend_contract",
-           "shift_invariance", "kv_cache_consistency", "logit_grad_scale", "eval_contract"}
+           "shift_invariance", "kv_cache_consistency", "logit_grad_scale", "eval_contract", "batch_order"}
 
 
 @pytest.fixture(scope="module")
