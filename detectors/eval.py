@@ -211,21 +211,20 @@ class EvalContract(Detector):
             problems.append(f"the evaluation returned {value:.4f} but the mean loss per target of the same documents "
                             f"is {reference:.4f}")
         if problems:
-            step = self._eval_step_problem(ctx, docs) if not any(modes) else None
+            step = self._eval_step_problem(ctx, docs, reference) if not any(modes) and reference is not None else None
             self.report(ctx, "eval", ctx.role_seam("eval_step" if step else "evaluate"),
                         "the evaluation breaks its contract: " + "; ".join(problems) + (f"; {step}" if step else ""),
                         {"moment": moment, **self._probe[moment], "docs": len(docs)}, confidence=0.9)
 
     @staticmethod
-    def _eval_step_problem(ctx, docs) -> str | None:
+    def _eval_step_problem(ctx, docs, want: float) -> str | None:
         """Where the run offers its evaluation's per-batch step as a role: its loss of the documents as one batch,
-        against the mean loss per target computed here (None when they agree, or without the role)."""
+        against ``want``, their mean loss per target computed here (None when they agree, or without the role)."""
         if "eval_step" not in ctx.roles:
             return None
         with ctx.probe():
             try:
                 got = ctx.role("eval_step")(probes.collate(ctx, docs))
-                want = EvalContract._token_mean(ctx, docs)
             except Exception as exc:  # noqa: BLE001
                 return f"its per-batch step raises {type(exc).__name__}"
         return (f"its per-batch step gives {got:.4f} for one batch whose mean loss per target is {want:.4f}"

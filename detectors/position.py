@@ -175,18 +175,31 @@ def positions_problem(fn, device) -> str | None:
     return None
 
 
+def _kv_states(device) -> tuple[torch.Tensor, ...]:
+    """Keys and values of two appends: 3 positions, then 2 (B=2, nh=2, hs=4)."""
+    gen = torch.Generator().manual_seed(9)
+    return tuple(torch.randn(2, 2, n, 4, generator=gen).to(device) for n in (3, 3, 2, 2))
+
+
+def _appended_in_order(append, k1, v1, k2, v2, verb: str) -> str | None:
+    """``append(k, v)`` returns exactly what it was given first, then the old states followed by the new."""
+    k, v = append(k1, v1)
+    if not (torch.equal(k, k1) and torch.equal(v, v1)):
+        return f"the first {verb} does not return exactly the keys/values it was given"
+    k, v = append(k2, v2)
+    if not (torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))):
+        return f"a second {verb} does not return the first keys/values followed by the new ones"
+    return None
+
+
 def kv_cache_problem(cls, device) -> str | None:
     """KVCache.update appends at the layer's length and returns everything cached, per layer."""
-    gen = torch.Generator().manual_seed(9)
-    k1, v1, k2, v2 = (torch.randn(2, 2, n, 4, generator=gen).to(device) for n in (3, 3, 2, 2))
+    k1, v1, k2, v2 = _kv_states(device)
     try:
         cache = cls(2, 8)
-        k, v = cache.update(0, k1, v1)
-        if not (torch.equal(k, k1) and torch.equal(v, v1)):
-            return "the first update does not return exactly the keys/values it was given"
-        k, v = cache.update(0, k2, v2)
-        if not (torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))):
-            return "a second update does not return the first keys/values followed by the new ones"
+        problem = _appended_in_order(lambda k, v: cache.update(0, k, v), k1, v1, k2, v2, "update")
+        if problem:
+            return problem
         k, v = cache.update(1, k1 * 2, v1 * 2)
         if not (torch.equal(k, k1 * 2) and torch.equal(v, v1 * 2)):
             return "layers share storage or lengths"
@@ -199,19 +212,10 @@ def kv_cache_problem(cls, device) -> str | None:
 
 def kv_append_problem(fresh, device) -> str | None:
     """The kv_append role: a fresh cache returns exactly what it was given, then the old states followed by the new."""
-    gen = torch.Generator().manual_seed(9)
-    k1, v1, k2, v2 = (torch.randn(2, 2, n, 4, generator=gen).to(device) for n in (3, 3, 2, 2))
     try:
-        append = fresh()
-        k, v = append(k1, v1)
-        if not (torch.equal(k, k1) and torch.equal(v, v1)):
-            return "the first append does not return exactly the keys/values it was given"
-        k, v = append(k2, v2)
-        if not (torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))):
-            return "a second append does not return the first keys/values followed by the new ones"
+        return _appended_in_order(fresh(), *_kv_states(device), "append")
     except Exception as exc:  # noqa: BLE001
         return f"raised {type(exc).__name__}: {str(exc)[:120]}"
-    return None
 
 
 def _mask_with_cache_problem(fn, device) -> str | None:

@@ -9,6 +9,7 @@ eager path does).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -19,17 +20,25 @@ from faultbench.detectors.api import Role
 _TRAINER = "transformers.trainer.Trainer"
 
 
+@contextlib.contextmanager
+def _padding_on(run, side: str, pad_id: int):
+    """The run's tokenizer padding on ``side`` for the duration (the stack reads the side off the tokenizer), with
+    the pad id a caller asked for checked against the one it pads with."""
+    tok = run.tokenizer
+    if pad_id != tok.pad_token_id:
+        raise ValueError(f"the tokenizer pads with its pad id {tok.pad_token_id}, not {pad_id}")
+    was, tok.padding_side = tok.padding_side, side
+    try:
+        yield tok
+    finally:
+        tok.padding_side = was
+
+
 def _collate(run, torch_call):
     """The run's ``DataCollatorForLanguageModeling`` on ``docs`` padded on ``side``."""
     def collate(docs, pad_id: int, side: str) -> dict:
-        tok = run.tokenizer
-        if pad_id != tok.pad_token_id:
-            raise ValueError(f"the collator pads with the tokenizer's pad id {tok.pad_token_id}, not {pad_id}")
-        was, tok.padding_side = tok.padding_side, side
-        try:
+        with _padding_on(run, side, pad_id):
             return dict(torch_call(run.trainer.data_collator, [{"input_ids": list(d)} for d in docs]))
-        finally:
-            tok.padding_side = was
 
     return collate
 
@@ -37,14 +46,8 @@ def _collate(run, torch_call):
 def _pad(run, pad):
     """The tokenizer's padding (``pad`` -> ``_pad`` per example) on ``side``."""
     def padded(docs, pad_id: int, side: str) -> dict:
-        tok = run.tokenizer
-        if pad_id != tok.pad_token_id:
-            raise ValueError(f"the tokenizer pads with its pad id {tok.pad_token_id}, not {pad_id}")
-        was, tok.padding_side = tok.padding_side, side
-        try:
+        with _padding_on(run, side, pad_id) as tok:
             return dict(tok.pad({"input_ids": [list(d) for d in docs]}, return_tensors="pt"))
-        finally:
-            tok.padding_side = was
 
     return padded
 
