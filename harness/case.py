@@ -597,7 +597,8 @@ def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float 
 
     try:
         with tempfile.TemporaryDirectory(prefix="faultbench-case-") as workdir:
-            ranks = pool.run(run_case_on_rank, case.to_dict(), golden, workdir, capture_dir, timeout_s=timeout_s)
+            ranks = pool.run(run_case_on_rank, case.to_dict(), golden, workdir, capture_dir, timeout_s=timeout_s,
+                             retire=bool(case.faults or case.plugins))
     except RankFailure as exc:
         return failed_record(case, "RankFailure", str(exc))
     out = ranks[0]

@@ -251,7 +251,8 @@ def _scenario_generate(cfg: RunConfig, steps: int) -> Outcome:
 
 def _run_ranks(pool, cfg: RunConfig, fault_ids, plugins, **train_kwargs) -> tuple[list[dict], dict | None]:
     """``ddp_case`` on every rank: the ranks' results and the first crash among them (None if none)."""
-    ranks = pool.run(ddp_case, cfg.to_dict(), fault_ids, plugins, train_kwargs, timeout_s=120)
+    ranks = pool.run(ddp_case, cfg.to_dict(), fault_ids, plugins, train_kwargs, timeout_s=120,
+                     retire=bool(fault_ids or plugins))
     return ranks, next((r["crash"] for r in ranks if r.get("crash")), None)
 
 
@@ -370,7 +371,7 @@ def _target_scenario(target: str, scenario: str, variant: dict, steps: int, seed
     try:
         with tempfile.TemporaryDirectory(prefix="faultbench-scenario-") as workdir:
             ranks = pool.run(target_scenario_on_rank, target, scenario, variant, steps, seed, fault_ids, plugins,
-                             workdir, timeout_s=180)
+                             workdir, timeout_s=180, retire=bool(fault_ids or plugins))
     except RankFailure as exc:
         return Outcome(crash={"type": "RankFailure", "message": str(exc)[:500], "step": None, "seams": []})
     finally:
