@@ -47,7 +47,8 @@ bench-mutants: setup
 # third (benchmarks/blind3/); BLIND=blind4 the fourth (benchmarks/blind4/, written at stop 24 after the third was
 # partly seen through a duplicates report); BLIND=blind5 the fifth (benchmarks/blind5/, written at stop 24 after a
 # review's whole-tree duplicates report hinted at the fourth set's seams); BLIND=blind6 the sixth
-# (benchmarks/blind6/, written at stop 25 after the same happened to the fifth).
+# (benchmarks/blind6/, written at stop 25 after the same happened to the fifth); BLIND=blind7 the seventh
+# (benchmarks/blind7/, written at stop 26 after the sixth was partly seen the same way).
 BLIND ?= blind
 bench-blind: setup
 	$(PY) -m faultbench bench --target all --plugin benchmarks/$(BLIND)/blind_faults.py --only-plugin-faults --blind \
