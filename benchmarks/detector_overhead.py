@@ -22,8 +22,10 @@ import statistics
 import torch
 
 from faultbench.detectors.api import all_detectors, black_box_suite_ids, suite_ids
-from faultbench.harness.case import RECIPES, Case, run_case
+from faultbench.harness.case import run_target_case
 from faultbench.harness.golden import load_golden
+from faultbench.harness.record import Case
+from faultbench.targets.ref.recipes import RECIPES
 
 TARGET = 1.05
 
@@ -40,7 +42,7 @@ def measure(recipe: str, steps: int, repeats: int) -> dict:
     names = list(variants)
     for rep in range(repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            record = run_case(Case(recipe, 0, (), variants[name]), golden)
+            record = run_target_case(Case(recipe, 0, (), variants[name]), golden)
             assert record["crash"] is None and not record["findings"], record["findings"] or record["crash"]
             times[name].append(record["train_s"] / len(record["history"]))
     ratios = {name: sorted(t / base for t, base in zip(times[name], times["none"], strict=True)) for name in names}

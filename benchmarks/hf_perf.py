@@ -46,7 +46,7 @@ from transformers import (  # noqa: E402
 )
 
 from faultbench.detectors.api import RunContext  # noqa: E402
-from faultbench.harness.case import Suite  # noqa: E402
+from faultbench.harness.suite import Suite  # noqa: E402
 from faultbench.targets.hf.data import TextDataset, load_texts, wrap_tokenizer  # noqa: E402
 from faultbench.targets.hf.hooks import train  # noqa: E402
 from faultbench.targets.hf.modeling import build_model  # noqa: E402

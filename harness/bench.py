@@ -35,9 +35,12 @@ import torch
 from faultbench import targets
 from faultbench.detectors.api import all_detectors, black_box_suite_ids, resolve_ids, suite_ids
 from faultbench.harness.atomic import write_text
-from faultbench.harness.case import Case, assign_recipes, behaviour, case_hash, execute, failed_record, source_digest
+from faultbench.harness.case import behaviour, execute
 from faultbench.harness.detect import detector_groups
+from faultbench.harness.digest import case_hash, code_digest
 from faultbench.harness.launch import die_with_parent
+from faultbench.harness.matcher import assign_recipes
+from faultbench.harness.record import Case, failed_record
 from faultbench.harness.report import split_timings
 from faultbench.harness.score import (
     BLACKBOX,
@@ -139,21 +142,6 @@ def build_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
     for fault_id, reason in not_runnable.items():
         faults[fault_id]["not_runnable"] = reason
     return cases, faults
-
-
-def code_digest(plugins=()) -> str:
-    """The digest of every source a case's result depends on: the project's (every target's too) and its
-    plugins' (a plugin's file, or its module's file, loaded already)."""
-    import hashlib
-    import importlib.util
-
-    # the watch (faultbench/) and its bench glue (harness/watched.py) shape every black-box finding
-    digest = source_digest("model", "targets", "faults", "detectors", "faultbench", "harness/case.py",
-                           "harness/golden.py", "harness/watched.py")
-    for plugin in plugins:
-        path = Path(plugin) if plugin.endswith(".py") else Path(importlib.util.find_spec(plugin).origin)
-        digest = hashlib.sha256((digest + path.read_text()).encode()).hexdigest()
-    return digest[:16]
 
 
 # ---- isolated execution -------------------------------------------------------------------------

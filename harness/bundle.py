@@ -36,31 +36,6 @@ FORMAT = 1
 FILES = ("bundle.json", "finding.json", "batch.pt", "checkpoint.pt", "metrics.jsonl")
 
 
-class StepCapture:
-    """Keeps, on disk under ``directory``, the state of one rank before every step (and at the end of
-    training) and every step's batch, numbered in the order they happen: a resume may repeat or skip a
-    step number, the order never does."""
-
-    def __init__(self, directory: Path, rank: int):
-        self.dir = Path(directory) / f"rank{rank}"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.count = 0
-
-    def state(self, run) -> None:
-        from faultbench.model.checkpoint import capture_rng_state
-
-        self.count += 1
-        optimizer = getattr(run.optimizer, "optim", run.optimizer)  # ZeRO: this rank's shard (no collective)
-        torch.save({"step": run.step, "model": run.model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
-                    "rng": capture_rng_state()}, self.dir / f"state-{self.count:04d}.pt")
-        with open(self.dir / "index.jsonl", "a") as f:
-            f.write(json.dumps({"capture": self.count, "step": run.step}) + "\n")
-
-    def batch(self, step: int, micro_batches: list[dict]) -> None:
-        torch.save(micro_batches, self.dir / f"batch-{self.count:04d}.pt")
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -78,8 +53,8 @@ def _capture_before(rank_dir: Path, step: int | None) -> dict:
 def write_bundle(directory, record: dict, capture_dir, command: list[str]) -> Path:
     """The bundle of ``record``'s top finding from the case's capture; written to a temporary folder and
     renamed into place. Returns the folder."""
-    from faultbench.harness.bench import code_digest
-    from faultbench.harness.case import RECIPES
+    from faultbench.harness.digest import code_digest
+    from faultbench.targets.ref.recipes import RECIPES
 
     if not record["findings"]:
         raise ValueError("no finding to bundle: the detectors were silent on this case")
@@ -188,8 +163,9 @@ def _tensors_equal(a, b) -> bool:
 
 def run_captured(case, capture_dir: str) -> dict:
     """The case's record (findings of every rank merged), with its steps captured under ``capture_dir``."""
-    from faultbench.harness.case import RECIPES, execute
+    from faultbench.harness.case import execute
     from faultbench.harness.golden import load_golden
+    from faultbench.targets.ref.recipes import RECIPES
 
     pool = None
     if RECIPES[case.recipe].world_size > 1:
@@ -222,8 +198,9 @@ def replay(directory, plugins=()) -> dict:
     user, ``replay --plugin``), else ValueError; ``MANIFEST.sha256`` catches damage, not tampering (anyone can
     write it again), so it is never a reason to import a file a bundle names."""
     from faultbench.faults.registry import load_plugin, plugin_module_name
-    from faultbench.harness.bench import code_digest
-    from faultbench.harness.case import RECIPES, case_from_dict
+    from faultbench.harness.digest import code_digest
+    from faultbench.harness.record import case_from_dict
+    from faultbench.targets.ref.recipes import RECIPES
 
     directory = Path(directory)
     meta = verify(directory)

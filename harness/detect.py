@@ -7,7 +7,9 @@ import tempfile
 
 from faultbench import targets
 from faultbench.detectors.api import all_detectors, rank_key, resolve_ids
-from faultbench.harness.case import Case, execute, recipe_for
+from faultbench.harness.case import execute
+from faultbench.harness.matcher import recipe_for
+from faultbench.harness.record import Case
 
 
 def detector_groups(ids) -> list[tuple[str, ...]]:

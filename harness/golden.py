@@ -21,10 +21,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from faultbench.detectors.api import Detector, RunContext
 from faultbench.harness.atomic import read_cached_json, write_text
+from faultbench.harness.recorder import GoldenRecorder
 from faultbench.harness.watched import WATCH_HISTORY, WATCH_RECORDER
 
 GOLDEN_SEEDS = (1000, 1001)
@@ -32,56 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "golden"
 
 
-class GoldenRecorder(Detector):
-    """Not a detector: records what a clean run looks like (it never reports)."""
-
-    id = "golden_recorder"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trace: dict = {"activation_rms": {}, "grad_logits_l1": []}
-        self._handles: list = []
-
-    def summary(self) -> dict:
-        return self.trace
-
-    def on_start(self, ctx: RunContext) -> None:
-        model = ctx.run.model
-        shared: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            shared.setdefault(id(p), []).append(name)
-        self.trace["structure"] = {
-            "num_params": sum(p.numel() for p in model.parameters()),
-            "shared": sorted(names for names in shared.values() if len(names) > 1),
-            "shapes": {name: list(p.shape) for name, p in model.named_parameters()},
-        }
-        self.trace["param_rms"] = {name: float(p.detach().float().pow(2).mean().sqrt())
-                                   for name, p in model.named_parameters()}
-        self._handles = [m.register_forward_hook(self._activation(name)) for name, m in model.named_modules()]
-
-    def _activation(self, name: str):
-        def hook(module, args, output):
-            if module.training and isinstance(output, torch.Tensor):
-                self.trace["activation_rms"].setdefault(name or "<model>", float(output.detach().float().pow(2)
-                                                                                 .mean().sqrt()))
-        return hook
-
-    def on_backward(self, ctx: RunContext, batch: dict, grad_logits: torch.Tensor) -> None:
-        if len(self.trace["grad_logits_l1"]) < 4:
-            self.trace["grad_logits_l1"].append(float(grad_logits.float().abs().sum(-1).max()))
-
-    def on_after_step(self, ctx: RunContext, record) -> None:
-        for h in self._handles:  # the first step's forwards are enough
-            h.remove()
-        self._handles = []
-
-    def on_end(self, ctx: RunContext, metrics: dict) -> None:
-        self.trace["val_loss"] = metrics["val_loss"]
-
-
 def golden_cases(recipes, target: str = "ref") -> list:
     """The clean cases whose traces make the golden entries of ``target``'s ``recipes``."""
-    from faultbench.harness.case import Case
+    from faultbench.harness.record import Case
 
     return [Case(recipe, seed, detectors=(GoldenRecorder.id, WATCH_RECORDER), target=target) for recipe in recipes
             for seed in GOLDEN_SEEDS]
@@ -102,13 +53,14 @@ def trace_of(record: dict) -> dict:
 
 
 def digest(target: str = "ref") -> str:
-    """The sources ``target``'s clean runs depend on: the reference's, and another target's package too."""
-    from faultbench.harness.case import source_digest
+    """The sources ``target``'s clean runs depend on: the reference's model, the target's package, the runner's glue."""
+    from faultbench.harness.digest import source_digest
 
-    stack = () if target == "ref" else (f"targets/{target}", "targets/__init__.py")
+    stack = (f"targets/{target}", "targets/__init__.py")
     # a golden run's envelope for the black-box track is what the watch recorded (faultbench/watch.py, with the
     # step records and the readers of detectors/blackbox/: a new field there is a new golden)
-    return source_digest("model", *stack, "harness/golden.py", "harness/case.py", "faultbench/watch.py",
+    return source_digest("model", *stack, "harness/golden.py", "harness/recorder.py", "harness/suite.py",
+                         "harness/record.py", "harness/case.py", "faultbench/watch.py",
                          "harness/watched.py", "detectors/blackbox")[:16]
 
 

@@ -36,7 +36,8 @@ from faultbench.faults.mutants import VERSION, admitted_path
 from faultbench.faults.mutants.generate import Candidate, candidates, register
 from faultbench.faults.registry import _code_tree, load_plugin, seam_table
 from faultbench.harness.atomic import write_text
-from faultbench.harness.case import Case, behaviour
+from faultbench.harness.case import behaviour
+from faultbench.harness.record import Case
 from faultbench.model.seams import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +83,8 @@ def traced(target: str, fn, *args) -> tuple[object, list[tuple[str, int]]]:
 
 def _traced_case(rank: int, case_dict: dict, workdir: str | None = None) -> tuple[dict, list]:
     """The case on this process (or rank, a ``RankPool`` entry) under ``traced``: (record, seam lines run)."""
-    from faultbench.harness.case import case_from_dict, run_target_case
+    from faultbench.harness.case import run_target_case
+    from faultbench.harness.record import case_from_dict
 
     case = case_from_dict(case_dict)
     return traced(case.target, run_target_case, case, None, rank, workdir)
@@ -98,7 +100,7 @@ def _child_traced(case_dict: dict, conn) -> None:
 
 def reach(target: str, pool=None) -> dict[str, set[tuple[str, int]]]:
     """{recipe: the seam lines its clean seed-0 run executes}, cached by the sources' digest."""
-    from faultbench.harness.bench import code_digest
+    from faultbench.harness.digest import code_digest
 
     path = ROOT / ".cache" / "mutants" / f"reach-{target}-{code_digest()}.json"
     if path.exists():

@@ -55,7 +55,7 @@ def train_args(manifest) -> list[str]:
 def reference_cached(kind: str, key: dict, sources: tuple[str, ...], compute):
     """What the clean reference does for ``key``, computed once per key and digest of ``sources`` and kept
     under .cache/practice-reference/ (every exercise of the same config compares with the same run)."""
-    from faultbench.harness.case import source_digest
+    from faultbench.harness.digest import source_digest
 
     blob = json.dumps({"key": key, "code": source_digest(*sources)}, sort_keys=True)
     path = ROOT / ".cache" / "practice-reference" / kind / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"

@@ -24,7 +24,6 @@ import importlib
 import math
 import random
 import tempfile
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +32,9 @@ import torch
 
 from faultbench import targets
 from faultbench.faults.inject import injected
-from faultbench.model.config import RunConfig, get_preset
-
-ROOT = Path(__file__).resolve().parent.parent
+from faultbench.model.config import RunConfig
+from faultbench.targets.ref.case import crash_record
+from faultbench.targets.ref.recipes import scenario_config
 
 
 @dataclass
@@ -64,30 +63,11 @@ class Outcome:
         return {**self.__dict__, "nan_step": self.nan_step}
 
 
-def seams_on_traceback(tb) -> list[str]:
-    """The reference functions on a traceback, as seam-style names (``model.loss.lm_loss``), innermost last."""
-    names = []
-    for frame, _ in traceback.walk_tb(tb):
-        path = Path(frame.f_code.co_filename)
-        try:
-            rel = path.resolve().relative_to(ROOT)
-        except ValueError:
-            continue
-        if rel.parts[0] == "model":
-            names.append(".".join(rel.with_suffix("").parts) + "." + frame.f_code.co_qualname)
-    return names
-
-
 def _crash(exc: BaseException, step: int) -> dict:
-    return {"type": type(exc).__name__, "message": str(exc)[:500], "step": step,
-            "seams": seams_on_traceback(exc.__traceback__),
-            "traceback": "".join(traceback.format_exception(exc))[-4000:]}
-
-
-def scenario_config(variant: dict, steps: int, seed: int, preset: str = "tiny") -> RunConfig:
-    base = get_preset(preset)
-    train = {"steps": steps, "warmup_steps": min(base.train.warmup_steps, steps), **variant.get("train", {})}
-    return base.replace(**{k: v for k, v in variant.items() if k != "train"}, train=train, seed=seed)
+    """The reference's crash record, its frames called "seams" (the proofs' vocabulary)."""
+    record = crash_record(exc, step)
+    record["seams"] = record.pop("frames")
+    return record
 
 
 def _train(cfg: RunConfig, out: Outcome, until: int | None = None, run=None):

@@ -15,8 +15,10 @@ import math
 import random
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING
 
-from .config import DataConfig
+if TYPE_CHECKING:  # the config validates against the corpus (``longest_document_chars``): no import at run time
+    from .config import DataConfig
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -127,3 +129,15 @@ def split_of(text: str, val_fraction: float) -> str:
     """``"val"`` or ``"train"``, decided by a hash of the text: identical documents share a split."""
     bucket = int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") / 2**32
     return "val" if bucket < val_fraction else "train"
+
+
+# A corpus small enough that a dozen global batches of 16 cross an epoch boundary (143 training documents, 8
+# batches an epoch); a quarter of it is validation. The combined recipes of every target train on it.
+SMALL_EPOCH = {"num_docs": 200, "val_fraction": 0.25}
+
+
+@lru_cache(maxsize=32)
+def train_doc_count(cfg: DataConfig) -> int:
+    """Documents in the training split of ``cfg``'s corpus (sampled and split, not tokenized)."""
+    texts = MarkovSource.from_config(cfg).sample(cfg.num_docs, seed=cfg.corpus_seed + 1)
+    return sum(split_of(t, cfg.val_fraction) == "train" for t in texts)

@@ -3,7 +3,7 @@
     python -m faultbench.peers.overhead TOOL [--recipes fp32 accum left_pad] [--repeats 3] [--out results/peers]
 
 TOOL is a plugin detector (``torcheck``, ``smdebug``: its module ``peers.<tool>_peer`` is loaded) or
-``traincheck``. A plugin peer runs in this process through ``harness.case.run_case``, the plain case
+``traincheck``. A plugin peer runs in this process through ``harness.case.run_target_case``, the plain case
 without any detector; TrainCheck runs the case script under ``traincheck-collect`` with the recipe's
 invariants (as the matrix does), the plain case is the same script run directly. The figure is the
 median training time per step with the tool over the median without it, per recipe; written to
@@ -31,13 +31,14 @@ PLUGINS = {"torcheck": "faultbench.peers.torcheck_peer", "smdebug": "faultbench.
 def _plugin_pair(tool: str, recipe: str):
     """(plain, with the tool): each a function returning one clean case's seconds per training step."""
     from faultbench.faults.registry import load_plugin
-    from faultbench.harness.case import Case, run_case
+    from faultbench.harness.case import run_target_case
+    from faultbench.harness.record import Case
 
     load_plugin(PLUGINS[tool])
 
     def timed(detectors: tuple[str, ...]):
         def run() -> float:
-            record = run_case(Case(recipe, 0, (), detectors, (PLUGINS[tool],)))
+            record = run_target_case(Case(recipe, 0, (), detectors, (PLUGINS[tool],)))
             if record["crash"] or record["findings"]:
                 raise RuntimeError(f"the clean {recipe} case is not clean: {record['crash'] or record['findings']}")
             return record["train_s"] / len(record["history"])
@@ -47,8 +48,8 @@ def _plugin_pair(tool: str, recipe: str):
 
 
 def _traincheck_pair(recipe: str):
-    from faultbench.harness.case import RECIPES
     from faultbench.peers.traincheck_peer import CASE_SCRIPT, _env, collect, golden_invariants, invariants_digest
+    from faultbench.targets.ref.recipes import RECIPES
 
     invariants = golden_invariants(recipe, invariants_digest())
     case = {"recipe": recipe, "seed": 0, "faults": []}

@@ -1,7 +1,7 @@
 """One bench case as a plain training script, the input ``traincheck-collect --pyscript`` expects.
 
 It reads the case (``Case.to_dict()`` as JSON) from ``$TRAINCHECK_CASE`` and trains it exactly as
-``harness.case.run_case`` does without detectors (same recipe, seed, injected faults, save and resume
+``targets.ref.case.run_case`` does without detectors (same recipe, seed, injected faults, save and resume
 half-way, evaluation), then writes the case record (history, crash, val_loss, train_s) as JSON to
 ``$TRAINCHECK_CASE_RECORD``. The environment carries them because traincheck-collect runs the
 script without arguments.
@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 from faultbench.faults.inject import injected
-from faultbench.harness.case import EVAL_DOCS, RECIPES, Case, crash_record, empty_record
+from faultbench.harness.record import Case, empty_record
 from faultbench.model import checkpoint, evaluate, train
 from faultbench.model import run as run_module
+from faultbench.targets.ref.case import EVAL_DOCS, crash_record
+from faultbench.targets.ref.recipes import RECIPES
 
 
 def train_one_step(run) -> dict:

@@ -255,7 +255,7 @@ def _invariant_key(inv: dict) -> str:
 def golden_invariants(recipe: str, digest: str) -> Path:
     """The validated invariants of a recipe (cached): steps 1-3 of the module docstring."""
     from faultbench.harness.atomic import write_text
-    from faultbench.harness.case import RECIPES
+    from faultbench.targets.ref.recipes import RECIPES
 
     path = CACHE / f"invariants-{recipe}-{digest}.json"
     if path.exists():
@@ -294,7 +294,7 @@ def golden_invariants(recipe: str, digest: str) -> Path:
 
 def unsupported(recipe: str) -> str | None:
     """Why TrainCheck cannot run a recipe here (None: it can)."""
-    from faultbench.harness.case import RECIPES
+    from faultbench.targets.ref.recipes import RECIPES
 
     if RECIPES[recipe].world_size > 1:
         return "not run: traincheck-collect instruments one script process, not the bench's 2-rank worker pool"
@@ -304,7 +304,8 @@ def unsupported(recipe: str) -> str | None:
 def run_case(case, invariants: Path) -> dict:
     """One case collected and checked; its record in the bench's format with TrainCheck's raw violations
     under "violations" and no findings yet (``with_findings`` maps them); never raises."""
-    from faultbench.harness.case import RECIPES, empty_record, failed_record
+    from faultbench.harness.record import empty_record, failed_record
+    from faultbench.targets.ref.recipes import RECIPES
 
     start = time.perf_counter()
     case_dict = case.to_dict()
@@ -330,7 +331,7 @@ def run_case(case, invariants: Path) -> dict:
 
 
 def unsupported_record(case, reason: str) -> dict:
-    from faultbench.harness.case import empty_record
+    from faultbench.harness.record import empty_record
 
     return {**empty_record(case), "detector_errors": {TOOL: reason}}
 
@@ -338,7 +339,9 @@ def unsupported_record(case, reason: str) -> dict:
 def build_cases(seeds, fault_ids=None) -> tuple[list, dict[str, dict]]:
     """The bench's matrix with TrainCheck as the only detector, and the faults' metadata (the answer key)."""
     from faultbench.faults.registry import all_faults, get_fault
-    from faultbench.harness.case import RECIPES, Case, recipe_for
+    from faultbench.harness.matcher import recipe_for
+    from faultbench.harness.record import Case
+    from faultbench.targets.ref.recipes import RECIPES
 
     specs = dict(all_faults()) if fault_ids is None else {f: get_fault(f) for f in fault_ids}  # "did you mean"
     cases = []
@@ -350,7 +353,7 @@ def build_cases(seeds, fault_ids=None) -> tuple[list, dict[str, dict]]:
 
 def code_digest() -> str:
     """What a case's TrainCheck output depends on (the mapping is applied on load, so it is not part of it)."""
-    from faultbench.harness.case import source_digest
+    from faultbench.harness.digest import source_digest
 
     blob = f"{source_digest('model', 'faults', 'peers/traincheck_case.py')}/{SETTINGS}"
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -358,7 +361,7 @@ def code_digest() -> str:
 
 def invariants_digest() -> str:
     """What a recipe's invariants depend on: the reference and the settings."""
-    from faultbench.harness.case import source_digest
+    from faultbench.harness.digest import source_digest
 
     return hashlib.sha256(f"{source_digest('model')}/{SETTINGS}".encode()).hexdigest()[:16]
 
@@ -373,7 +376,8 @@ def with_findings(record: dict) -> dict:
 def run_matrix(cases: list, jobs: int, use_cache: bool = True, progress=print) -> list[dict]:
     """Every case's record (cached ones reused), ``jobs`` cases at a time; invariants first, per recipe."""
     from faultbench.harness.atomic import write_text
-    from faultbench.harness.case import case_hash, failed_record
+    from faultbench.harness.digest import case_hash
+    from faultbench.harness.record import failed_record
 
     inv_digest = invariants_digest()
     digest = code_digest()

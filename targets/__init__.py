@@ -30,7 +30,7 @@ class Target:
                       and ``.resume_at`` (the clean-matrix variants of this stack)
     run_case:         (recipe, seed, detectors=(), golden=None, rank=0, workdir=None) -> case record,
                       faults already injected by the caller; never raises (a crash is recorded). The
-                      record has the keys of ``harness.case.empty_record``: history (one dict per
+                      record has the keys of ``harness.record.empty_record``: history (one dict per
                       optimizer step: step, loss, grad_norm, lr, scale, skipped, tokens, seconds,
                       tokens_per_s), crash, val_loss, findings, detector_errors, step_seconds, ...
     clean_guarantees: the test modules that prove the clean stack's invariants

@@ -10,8 +10,8 @@ import torch
 
 from faultbench.faults.registry import FAULTS
 from faultbench.harness.atomic import check_output
-from faultbench.harness.case import RECIPES
 from faultbench.harness.cli import main
+from faultbench.targets.ref.recipes import RECIPES
 
 HEADER = '''
 from faultbench.faults.registry import Manifest, fault
@@ -258,7 +258,7 @@ def test_a_rerun_rewrites_byte_identical_scores_and_a_bad_cache_entry_is_recompu
 
 def test_a_cached_record_of_another_case_is_not_used(tiny_bench, capsys):
     from faultbench.harness.bench import read_cached
-    from faultbench.harness.case import Case
+    from faultbench.harness.record import Case
 
     path = tiny_bench.out.parent / "entry.json"
     case, other = Case("fp32", 0, (), ("forward_loss_contract",)), Case("fp32", 1, (), ("forward_loss_contract",))
@@ -279,7 +279,7 @@ def test_a_cached_record_of_another_case_is_not_used(tiny_bench, capsys):
 ])
 def test_a_cache_entry_with_mistyped_findings_or_history_is_discarded(tmp_path, capsys, change):
     from faultbench.harness.bench import read_cached
-    from faultbench.harness.case import Case
+    from faultbench.harness.record import Case
 
     case = Case("fp32", 0, (), ("forward_loss_contract",))
     record = {"case": case.to_dict(), "name": case.name, "history": [{"step": 1}], "crash": None, "findings": [],
@@ -406,7 +406,7 @@ def test_a_failed_golden_run_is_never_cached_and_stops_the_bench_in_one_line(tmp
     """A clean golden run that crashed or hung is the machinery's failure (a rank killed): the other recipes'
     entries are kept, that recipe's is not, and a ValueError (one line, exit 2 at the CLI) says to run again."""
     from faultbench.harness import golden as golden_mod
-    from faultbench.harness.case import failed_record
+    from faultbench.harness.record import failed_record
 
     monkeypatch.setattr(golden_mod, "CACHE", tmp_path)
     monkeypatch.setattr(golden_mod, "trace_of", lambda record: {"loss": [1.0]})
@@ -441,7 +441,7 @@ def test_cases_failed_by_the_machinery_are_never_scored():
     """A worker that died, a rank that failed, a harness error: no outcome of the case, so no score at all (one
     line, nothing written); a crash of the case itself is an outcome and is scored."""
     from faultbench.harness.bench import refuse_machinery_failures
-    from faultbench.harness.case import Case, failed_record
+    from faultbench.harness.record import Case, failed_record
 
     ok, lost = Case("fp32", 0, ("label_permute",), ("loss_contract",)), Case("fp32", 1, ("label_permute",), ())
     crashed = {ok: failed_record(ok, "ValueError", "the fault's own crash")}

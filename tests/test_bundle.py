@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from faultbench.harness.bundle import FILES, _sha256, replay, verify
-from faultbench.harness.case import Case, run_case
+from faultbench.harness.case import run_target_case
 from faultbench.harness.cli import main
 from faultbench.harness.detect import detect
+from faultbench.harness.record import Case
 
 
 def _bundle(tmp_path, fault_id: str):
@@ -28,7 +29,7 @@ def test_capture_does_not_change_the_run(tmp_path):
 
     case = Case("resume", 0, (), tuple(suite_ids()))
     golden = load_golden(["resume"])["resume"]
-    plain, captured = run_case(case, golden), run_case(case, golden, capture_dir=str(tmp_path))
+    plain, captured = run_target_case(case, golden), run_target_case(case, golden, capture_dir=str(tmp_path))
     assert plain["crash"] is None
     assert [h["loss"] for h in captured["history"]] == [h["loss"] for h in plain["history"]]
     assert captured["val_loss"] == plain["val_loss"] and captured["findings"] == plain["findings"] == []

@@ -2,7 +2,7 @@
 
 Train (resume recipes: train to ``resume_at`` with a save, then a fresh Trainer resumes from that
 checkpoint), evaluate, decode a few prompts with ``generate`` (DynamicCache), and return the record of
-``harness.case`` (history, crash, val_loss, findings, outputs, timings). Never raises.
+``harness.record`` (history, crash, val_loss, findings, outputs, timings). Never raises.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 from faultbench.detectors.api import RunContext
 from faultbench.guard import frame_qualname
-from faultbench.harness.case import Suite, empty_record, final_state, suite_into
+from faultbench.harness.record import empty_record
+from faultbench.harness.suite import Suite, crashed, finished
 from faultbench.harness.watched import Watched, split_tracks
 from faultbench.targets.hf.hooks import checkpoint_dir, train
 from faultbench.targets.hf.recipes import RECIPES
@@ -107,23 +108,16 @@ def _run(recipe, seed: int, detectors: tuple, golden, rank: int, workdir: Path) 
         out["outputs"].update(decode(ctx.run))
         suite.fire("on_end", {"val_loss": out["val_loss"]})
     except Exception as exc:  # the crash is the outcome
-        out["crash"] = crash_record(exc, ctx.run.step if ctx.run is not None else None)
-        if suite is not None:
-            suite.fire("on_crash", out["crash"])
-        if watched is not None:
-            watched.finish(exc)
+        crashed(out, exc, crash_record(exc, ctx.run.step if ctx.run is not None else None), suite, watched)
     finally:
         if watched is not None:
             watched.close()
-    if ctx.run is not None:
-        out["outputs"].update(final_state(ctx.run))
-    out["wall_s"] = time.perf_counter() - start
-    return suite_into(out, suite, watched)
+    return finished(out, ctx.run, start, suite, watched)
 
 
 def empty_record_for(recipe: str, seed: int, detectors: tuple, rank: int) -> dict:
-    """``harness.case.empty_record`` with this target's case description."""
-    from faultbench.harness.case import Case
+    """``harness.record.empty_record`` with this target's case description."""
+    from faultbench.harness.record import Case
 
     return empty_record(Case(recipe, seed, (), detectors, target="hf"), rank)
 

@@ -1,6 +1,6 @@
 """Which HF recipe can show a fault: the essential keys of its manifest's variant, met by a recipe.
 
-The principle is the reference's (``harness.case``): a variant mixes essential keys, which switch a code path
+The principle is the reference's (``targets.ref.recipes``): a variant mixes essential keys, which switch a code path
 on (the precision, the padding side, accumulation, attention dropout, the attention implementation, ranks, a
 resume) and must be met by the recipe, and tuning keys, which only sharpen the proof (steps, the learning
 rate and its warmup, sizes, the batch, weight decay, the clip value, the corpus) and are ignored: the

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from faultbench.harness.case import SMALL_EPOCH, train_docs
 from faultbench.model.config import DataConfig, get_preset
+from faultbench.model.corpus import SMALL_EPOCH, train_doc_count
 from faultbench.targets.hf.modeling import ModelSpec
 
 
@@ -50,7 +50,7 @@ class Recipe:
     def crosses_epoch(self) -> bool:
         """Whether the run takes more optimizer steps than one epoch of its training split holds (the sampler then
         reshuffles: ``set_epoch``); the epoch's last, short batch is a step of its own (Trainer keeps it)."""
-        return self.steps > -(-train_docs(self.data) // self.batch_size)
+        return self.steps > -(-train_doc_count(self.data) // self.batch_size)
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (

@@ -10,7 +10,10 @@ from faultbench import targets
 from faultbench.detectors.api import DETECTORS, resolve_ids
 from faultbench.faults.registry import FAULTS, Manifest, all_faults, plugin_module_name
 from faultbench.harness.bench import BenchConfig, build_matrix, run_bench
-from faultbench.harness.case import MIN_SUBSYSTEMS, RECIPES, Case, NotRunnable, recipe_for, run_case, unmet
+from faultbench.harness.case import run_target_case
+from faultbench.harness.matcher import MIN_SUBSYSTEMS, NotRunnable, recipe_for, unmet
+from faultbench.harness.record import Case
+from faultbench.targets.ref.recipes import RECIPES
 
 ONE_RECIPE = {"fp32": RECIPES["fp32"]}  # a clean matrix of one recipe is enough for the machinery
 
@@ -203,7 +206,7 @@ def test_a_fault_is_recorded_as_shown_only_where_its_run_differs_from_the_clean_
     # dropout 0: eval_in_train_mode changes nothing in fp32; label_permute always does
     cases = [Case("fp32", 0), Case("fp32", 0, ("eval_in_train_mode",)), Case("fp32", 0, ("label_permute",)),
              Case("resume", 0), Case("resume", 0, ("eval_in_train_mode",))]
-    records = {c: run_case(c) for c in cases}
+    records = {c: run_target_case(c) for c in cases}
     records[Case("left_pad", 0, ("label_permute",))] = dict(records[cases[2]])  # no clean twin in this matrix
     mark_manifested(records)
     shown = {(c.recipe, c.faults[0]): r["manifested"] for c, r in records.items() if c.faults}
@@ -215,7 +218,7 @@ def test_a_kept_graph_shows_though_every_number_is_unchanged():
     from faultbench.harness.bench import mark_manifested
 
     cases = [Case("fp32", 0), Case("fp32", 0, ("loss_history_keeps_graph",))]
-    records = {c: run_case(c) for c in cases}
+    records = {c: run_target_case(c) for c in cases}
     clean, faulty = records.values()
     assert [h["loss"] for h in clean["history"]] == [h["loss"] for h in faulty["history"]]
     mark_manifested(records)
@@ -224,7 +227,7 @@ def test_a_kept_graph_shows_though_every_number_is_unchanged():
 
 def test_the_same_case_gives_the_same_findings():
     case = Case("left_pad", 0, ("padding_mask_dropped",), tuple(resolve_ids(["suite"])))
-    a, b = run_case(case), run_case(case)
+    a, b = run_target_case(case), run_target_case(case)
     strip = lambda r: [{k: v for k, v in f.items() if k != "evidence"} for f in r["findings"]]  # noqa: E731
     assert strip(a) == strip(b) and a["history"] and [h["loss"] for h in a["history"]] == [
         h["loss"] for h in b["history"]]

@@ -2,8 +2,8 @@
 
 import json
 
-from faultbench.harness.case import RECIPES
 from faultbench.harness.cli import main
+from faultbench.targets.ref.recipes import RECIPES
 
 
 def _last_json(capsys) -> dict:

@@ -9,7 +9,8 @@ import torch
 
 from faultbench.detectors.api import RunContext
 from faultbench.detectors.distributed import NEXT_INDICES, RankDataDistinct, disagreeing, rescale_factors
-from faultbench.harness.case import Case, execute
+from faultbench.harness.case import execute
+from faultbench.harness.record import Case
 from faultbench.model.sampler import ResumableSampler
 from faultbench.model.seams import SEAMS, resolve
 from tests.detectors.helpers import REF_ROLES

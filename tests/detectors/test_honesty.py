@@ -23,8 +23,11 @@ import torch
 from faultbench.detectors.api import DETECTORS, HOOKS, SUBSYSTEMS, RunContext, all_detectors, resolve_ids
 from faultbench.faults.inject import injected
 from faultbench.faults.registry import FaultSpec, all_faults
-from faultbench.harness.case import RECIPES, Case, execute, recipe_for
+from faultbench.harness.case import execute
+from faultbench.harness.matcher import recipe_for
+from faultbench.harness.record import Case
 from faultbench.model.seams import SEAMS, resolve
+from faultbench.targets.ref.recipes import RECIPES
 from tests.detectors.helpers import REF_ROLES
 from tests.detectors.reach import reachable_strings
 
@@ -263,7 +266,7 @@ def _context() -> RunContext:
     return RunContext(run=None, seam_resolver=resolve, seams=dict(SEAMS), roles=REF_ROLES)
 
 
-@pytest.mark.parametrize("name", ["faults.registry.all_faults", "harness.case.run_case", "faultbench.model.data",
+@pytest.mark.parametrize("name", ["faults.registry.all_faults", "targets.ref.case.run_case", "faultbench.model.data",
                                   "model",
                                   "model.tokenizer.cache_dir", "os.environ"])
 def test_the_context_resolves_nothing_but_seams(name):

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from faultbench.detectors.api import DETECTORS, Detector, NotApplicable, RunContext, all_detectors
-from faultbench.harness.case import Suite
+from faultbench.harness.suite import Suite
 
 
 def seam_fn():

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from faultbench.detectors.optimizer import GradHygiene, LrSchedule, OptimizerConfig, TrainStepContract, expected_lr
-from faultbench.harness.case import RECIPES
 from faultbench.model.optim import configure_optimizer, lr_at
 from faultbench.model.run import build_run
 from faultbench.model.train import StepRecord, clip_gradients, forward_loss, optimizer_step
+from faultbench.targets.ref.recipes import RECIPES
 from tests.detectors.helpers import start_findings as findings
 
 

@@ -4,7 +4,7 @@ detector_mutation.py: a no-op version of each passed them).
 Each case hands the detector a hand-broken component (a seam function through the context, a module swapped into a
 fresh run's model, or the gradient a broken training step would give) and expects its finding, with subsystem and
 seam; the same detector on the intact component stays silent. The hooks are called as the harness's Suite calls
-them (harness/case.py), on the tiny preset.
+them (targets/ref/recipes.py), on the tiny preset.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from faultbench.detectors.mask import CausalityProbe
 from faultbench.detectors.model import AttendContract, OutputContract
 from faultbench.detectors.position import KVCacheConsistency, RopeProperties, ShiftInvariance
 from faultbench.detectors.precision import NonfiniteOrigin
-from faultbench.harness.case import RECIPES
 from faultbench.model import attention
 from faultbench.model.gpt import GPT, KVCache
 from faultbench.model.loss import count_targets, lm_loss
 from faultbench.model.rope import apply_rope
 from faultbench.model.run import build_run
 from faultbench.model.train import next_micro_batches
+from faultbench.targets.ref.recipes import RECIPES
 from tests.detectors.helpers import context, start_findings
 
 

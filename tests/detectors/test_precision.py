@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from faultbench.detectors.precision import Fp16AttentionStress, ScalerMonitor
-from faultbench.harness.case import RECIPES
 from faultbench.model.attention import attend
 from faultbench.model.run import build_run
+from faultbench.targets.ref.recipes import RECIPES
 from tests.detectors.helpers import start_findings as findings
 
 

@@ -12,8 +12,11 @@ import pytest
 
 from faultbench.detectors.api import resolve_ids
 from faultbench.faults.registry import all_faults
-from faultbench.harness.case import RECIPES, Case, execute, recipe_for
+from faultbench.harness.case import execute
 from faultbench.harness.golden import load_golden
+from faultbench.harness.matcher import recipe_for
+from faultbench.harness.record import Case
+from faultbench.targets.ref.recipes import RECIPES
 
 SEEDS = (0, 1)
 BLIND_SPOTS: dict[str, str] = {}

@@ -4,7 +4,8 @@ faultbench.watch only, and each track is scored apart (harness/watched.py, harne
 import pytest
 
 from faultbench.detectors.api import black_box_suite_ids, suite_ids
-from faultbench.harness.case import Case, execute
+from faultbench.harness.case import execute
+from faultbench.harness.record import Case
 from faultbench.harness.score import BLACKBOX, SUITE, case_rows, seam_of
 
 

@@ -3,8 +3,11 @@
 seam, as a careless bug fix or a test helper might leave). Only the rank pool's isolation keeps it out of
 the cases that follow."""
 
+import torch.nn.functional as F
+
 from faultbench.faults.registry import Manifest, fault
 from faultbench.model.data import IGNORE_INDEX
+from faultbench.model.loss import count_targets
 
 
 @fault(

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 from faultbench.harness import bench
-from faultbench.harness.case import Case, execute, failed_record
+from faultbench.harness.case import execute
 from faultbench.harness.launch import RankFailure
+from faultbench.harness.record import Case, failed_record
 from tests.distributed.cases import hang_on, kill_on, raise_on, whoami
 
 LEAKY = Path(__file__).with_name("leaky_fault.py")

@@ -16,7 +16,7 @@ from faultbench.faults.mutants.generate import by_id, candidates, register
 from faultbench.faults.mutants.operators import OPERATORS
 from faultbench.faults.registry import FAULTS, Manifest, get_fault, load_plugin
 from faultbench.harness import mutants
-from faultbench.harness.case import recipe_for
+from faultbench.harness.matcher import recipe_for
 from faultbench.model.seams import SUBSYSTEMS
 
 DOC = mutants.read()

@@ -2,7 +2,7 @@
 
 The floor (Bayes-optimal nats per predicted token of the val documents) is the reference's, since the
 HF pipeline yields the reference's token ids (test_padding). The training result is cached under
-``.cache/hf-convergence/`` by a digest of the target's and the reference's sources, harness/case.py (the recipes'
+``.cache/hf-convergence/`` by a digest of the target's and the reference's sources, targets/ref/recipes.py (the recipes'
 corpus helpers), this file (its steps, warmup and evaluation) and the installed transformers/accelerate/torch
 versions, so it is paid once per change and never read stale.
 """
@@ -20,7 +20,7 @@ import torch
 import transformers
 from transformers import DataCollatorForLanguageModeling
 
-from faultbench.harness.case import source_digest
+from faultbench.harness.digest import source_digest
 from faultbench.targets.hf.hooks import train
 from faultbench.targets.hf.recipes import RECIPES
 from faultbench.targets.hf.run import build_run
@@ -48,8 +48,9 @@ def val_loss(run) -> float:
 
 
 def train_result(tmp_path) -> dict:
-    # the target's and the reference's sources, the recipes' helpers (harness/case.py) and this file's own settings
-    sources = source_digest("targets", "model", "harness/case.py", "tests/hf/test_convergence.py")
+    # the targets' and the reference's sources (their recipes included), the runner's glue and this file's settings
+    sources = source_digest("targets", "model", "harness/case.py", "harness/record.py", "harness/suite.py",
+                           "tests/hf/test_convergence.py")
     key = "|".join((sources, transformers.__version__, accelerate.__version__, torch.__version__))
     path = ROOT / ".cache" / "hf-convergence" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():

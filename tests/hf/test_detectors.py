@@ -10,8 +10,9 @@ import pytest
 
 from faultbench import targets
 from faultbench.detectors.api import all_detectors, white_box_ids
-from faultbench.harness.case import Case, execute
+from faultbench.harness.case import execute
 from faultbench.harness.launch import RankPool
+from faultbench.harness.record import Case
 
 # detectors that read only what any target offers (facts, batches, records, the model's parameters)
 GENERAL = {"batch_special_ids", "loss_vs_floor", "padding_waste", "graph_retention", "init_envelope",

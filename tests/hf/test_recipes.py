@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from faultbench.faults.registry import all_faults
-from faultbench.harness.case import SMALL_EPOCH, recipes_for
+from faultbench.harness.matcher import recipes_for
+from faultbench.model.corpus import SMALL_EPOCH
 from faultbench.targets.hf.hooks import checkpoint_dir, train
 from faultbench.targets.hf.recipes import RECIPES
 from faultbench.targets.hf.run import build_run
