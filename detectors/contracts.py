@@ -365,7 +365,7 @@ _CONTRACTS = (
     _c("attention.declared.heads",
        "heads are split and merged as declared (n_heads x head_dim), never mixing heads with batch or time",
        S003 + ": wrong transpose, mixing batch and head dimensions",
-       WB),
+       BOTH, ("attend_contract", "bb_row_isolation")),
     _c("attention.state.mask-fresh",
        "the mask used by a forward is built for that forward's lengths, padding and cache; no mask is reused "
        "from another batch",
@@ -392,7 +392,7 @@ _CONTRACTS = (
     _c("attention.isolation.rows",
        "no information crosses batch rows: row i's outputs do not depend on row j's tokens",
        HF_COMMON + "::test_batching_equivalence; " + KARPATHY + ": use backprop to chart dependencies",
-       BOTH, ("padding_invariance",)),
+       BOTH, ("padding_invariance", "bb_row_isolation")),
 
     # ---------------------------------------------------------------------------- normalization/residual/MLP blocks
     _c("blocks.invariance.eval-deterministic",
@@ -404,11 +404,11 @@ _CONTRACTS = (
        "normalization acts on each token's features; a row's outputs do not depend on batch size or batch "
        "composition",
        "Ba et al., 'Layer Normalization' (2016); " + HF_COMMON + "::test_batching_equivalence",
-       BOTH, ("padding_invariance",)),
+       BOTH, ("padding_invariance", "bb_row_isolation")),
     _c("blocks.accounting.every-layer-once",
        "every declared layer runs exactly once per forward, in order (none skipped, none repeated)",
        HF_COMMON + "::test_hidden_states_output (num_hidden_layers + 1 hidden states)",
-       BOTH, ("module_composition",)),
+       BOTH, ("module_composition", "bb_layers_once")),
     _c("blocks.declared.composition",
        "each block computes its declared composition (pre-norm: x + attn(norm(x)), then + mlp(norm(x)); "
        "post-norm where declared)",

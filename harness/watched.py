@@ -126,8 +126,8 @@ def envelope(golden: dict | None) -> dict | None:
 
 def _with_class(finding: dict, modules: dict) -> dict:
     """The finding with ``where_class``, the qualified class name of the module its ``where`` names in the watched
-    model (``modules``: its named modules; None for other places): what the scorer maps to a seam of the target
-    (detectors never do)."""
-    module = modules.get(finding.get("where") or "\0")
+    model (``modules``: its named modules; "" is the model itself; None for other places): what the scorer maps to a
+    seam of the target (detectors never do)."""
+    module = modules.get(finding["where"]) if isinstance(finding.get("where"), str) else None
     finding["where_class"] = None if module is None else f"{type(module).__module__}.{type(module).__qualname__}"
     return finding

@@ -191,7 +191,7 @@ class _Check:
         place = (f"; wrong from {name} on (the tensor nearest the loss whose own gradient disagrees with its finite "
                  "difference): between it and the output a detach, a no_grad, a custom backward or a gradient hook "
                  "bends its path" if name else "; no single tensor stands out")
-        self.det.report(ctx, "model", "" if wrong is None else ctx.param_owner(self.params[wrong]),
+        self.det.report(ctx, "model", None if wrong is None else ctx.param_owner(self.params[wrong]),
                         f"{what}: {measured}{place}", {"grad_norm": norm, "derivative_along_grad": along,
                                                         "disagreement": worst, "parameter": name}, confidence=0.75)
 

@@ -1,8 +1,9 @@
 """Behavioural probes of the causal-LM contract, on any model a ``CausalLM`` wraps, with variants crafted
 from one of the user's own batches (its shape, its tokens, its pad id): causality, padding invariance, cache
 consistency (the model's own generate), position-shift invariance, a repeated token under relative positions
-(attention weights form a distribution), determinism in eval mode, the output contract (logits, not
-probabilities; a sane scale before training), and label alignment of the loop's loss.
+(attention weights form a distribution), determinism in eval mode, row isolation (a row among two sets of other rows),
+every declared layer run once per forward, the output contract (logits, not probabilities; a sane scale before
+training), and label alignment of the loop's loss.
 
 ``ProbeRound`` runs them all on one row of the loop's batch in a few shared forwards (the variants are rows of
 one batch), before the loop's first optimizer step. Each probe returns None when the property holds, a
@@ -238,6 +239,30 @@ def glimpsed(model: torch.nn.Module):
             h.remove()
 
 
+@contextlib.contextmanager
+def counted_layers(model: torch.nn.Module, shape: tuple[int, int]):
+    """Yields {path of an ``nn.ModuleList`` of two or more modules of one class: [calls of each member]} for the
+    block's forwards, a call counted where the member's first tensor argument leads with ``shape`` (B, T): a
+    stack's layers take the residual stream; a mixture's experts, handed the tokens routed to them, count none."""
+    lists = {name: list(m) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1}
+    calls = {name: [0] * len(members) for name, members in lists.items()}
+
+    def count(name, i, module, args, kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and tuple(first.shape[:2]) == shape:
+            calls[name][i] += 1
+
+    handles = [member.register_forward_pre_hook(functools.partial(count, name, i),
+                                                   with_kwargs=True)
+               for name, members in lists.items() for i, member in enumerate(members)]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def raised_in(model: torch.nn.Module, call: Callable[[], object]) -> str | None:
     """The path of the innermost submodule of ``model`` still running when ``call()`` raised (module hooks: a
     pre-hook pushes the module, a completed forward pops it; "" when the model's own code raised), or None when it
@@ -293,6 +318,9 @@ class ProbeRound:
       repeated (attention weights form a distribution over keys); positions passed only when the model takes them;
     - forward "padded" (mask, when the model takes one): the row left-padded, the left-padded changed row, the
       row right-padded (padding invariance against the plain row, causality under an explicit mask);
+    - forward "mixed": the row last in a batch of the plain forward's shape whose other rows hold other tokens (row
+      isolation against the row first in the plain forward), the calls of each stack of layers counted (every layer
+      once);
     - the model's own ``generate`` from an unpadded and a left-padded prompt (cache, decode positions) vs one
       forward over what it generated; a teacher-forced decode through ``past_key_values`` only when it disagrees.
     Each probe's result is None (holds), a ``ProbeResult`` (broken) or a ``NotApplicable`` (kept, raised by
@@ -316,10 +344,13 @@ class ProbeRound:
         if padding is not None and bool((pool != padding).any()):
             pool = pool[pool != padding]
         self.changed[:, self.cut:] = other_tokens(self.ids[:, self.cut:], pool)
+        self._pool = pool
         self._results: dict[str, ProbeResult | None | NotApplicable] = {}
         self._plain: _Forward | None = None
         self._plain_rows: dict[str, int] = {}
         self._padded: _Forward | None = None
+        self._mixed: _Forward | None = None
+        self._layer_calls: dict[str, list[int]] = {}
         self._unmasked_error: tuple[Exception, str | None] | None = None
 
     # -- forwards
@@ -380,6 +411,26 @@ class ProbeRound:
             self._padded = self._forward(torch.cat([left, right]), torch.cat([mask_left, mask_right]))
         return self._padded
 
+    def mixed(self) -> _Forward:
+        """The row last in a batch of the plain forward's shape whose other rows hold other tokens, the plain
+        forward's position rows moved with it (a stack may pick its mask path from the positions: the same rows of
+        positions, the same path), with every call of the layers of the model's homogeneous ``nn.ModuleList``s
+        counted (``layer_calls``)."""
+        if self._mixed is None:
+            plain = self.plain()
+            rows, row = [], self.ids
+            for _ in range(plain.ids.shape[0] - 1):
+                row = other_tokens(row, self._pool)
+                rows.append(row)
+            batch = torch.cat([*rows, self.ids])
+            base = self._plain_rows["base"]
+            positions = None if plain.positions is None else torch.cat(
+                [plain.positions[:base], plain.positions[base + 1:], plain.positions[base: base + 1]])
+            with counted_layers(self.lm.model, tuple(batch.shape)) as calls:
+                self._mixed = self._forward(batch, None, positions)
+            self._layer_calls = calls
+        return self._mixed
+
     def plain_row(self, name: str) -> torch.Tensor:
         fwd = self.plain()
         return fwd.ids[self._plain_rows[name]: self._plain_rows[name] + 1]
@@ -426,6 +477,40 @@ class ProbeRound:
                            f"two identical rows give different logits in eval mode (relative change {gap:.3g}): "
                            f"something random (dropout) still acts outside training; first at {where}",
                            {"relative_logit_change": gap, "tolerance": fwd.tol})
+
+    def _row_isolation(self) -> ProbeResult | None:
+        """No information crosses batch rows: the row gives the same logits first in the plain forward and last in a
+        batch of the same shape whose other rows hold other tokens (a row sees the rows before it when a batch is
+        attended as one flattened sequence; a normalization over the batch moves every row). Same shape, so the same
+        code path: a kernel or mask choice that depends on the batch size is not this contract's."""
+        plain, mixed = self.plain(), self.mixed()
+        tol, base, last = min(plain.tol, mixed.tol), self._plain_rows["base"], mixed.ids.shape[0] - 1
+        gap = relative_gap(self._logits("base"), mixed.logits[last:])
+        if gap <= tol:
+            return None
+        again = self.lm.logits(plain.ids, plain.mask, plain.positions)[base: base + 1]
+        if relative_gap(self._logits("base"), again) > tol:
+            raise NotApplicable("the same forward twice gives other logits in eval mode (see the determinism probe)")
+        where = first_broken(self._trace(plain), self._trace(mixed), _row(base), _row(last), tol)
+        return ProbeResult("row_isolation", gap, where, "model",
+                           f"the row's logits change with the other rows of its batch (relative change {gap:.3g} "
+                           f"between two batches of {last + 1} rows of other tokens around it): information crosses "
+                           f"batch rows (a reshape that mixes the batch into the sequence, a normalization or softmax "
+                           f"over the batch); first at {where}", {"relative_logit_change": gap, "tolerance": tol})
+
+    def _layers_once(self) -> ProbeResult | None:
+        """Every declared layer runs exactly once per forward: in each ``nn.ModuleList`` of two or more modules of
+        one class, one forward calls every member on the whole batch (its (B, T) leading shape) equally often."""
+        self.mixed()
+        uneven = {path: counts for path, counts in self._layer_calls.items() if len(set(counts)) > 1}
+        if not uneven:
+            return None
+        path, counts = next(iter(uneven.items()))
+        parent = path.rpartition(".")[0]
+        return ProbeResult("layers_once", float(max(counts) - min(counts)), parent, "model",
+                           f"one forward ran the {len(counts)} layers of {path} {counts} times (each once: a "
+                           f"declared layer skipped or run again); in the forward of "
+                           f"{parent or 'the model'}", {"layer_calls": {p: c for p, c in uneven.items()}})
 
     def _output_contract(self) -> ProbeResult | None:
         """The logits are logits: finite, not probabilities (non-negative rows summing to 1), and a model that
@@ -744,14 +829,16 @@ class ProbeRound:
                             _rows((sequences.shape[0], 1), lambda t: t), tol)
 
 
-# a probe whose reference another probe's broken property invalidates says nothing: a model random in eval mode
+# a probe whose reference another probe's broken property invalidates says nothing: rows that see each other make
+# every comparison of two rows of one batch (or of two batches) the other rows' doing; a model random in eval mode
 # makes every comparison noise; a full forward that is not causal is no reference for padding or cached decode,
 # a left-padded generate shows again what padding invariance found, and a model that drops the position ids it is
 # given looks shift-invariant and mispositions every padded row (its one finding is that)
-GATES = {"output_contract": ("determinism",), "causality": ("determinism",), "position_shift": ("determinism",),
-         "positions_used": ("determinism",),
-         "attention_distribution": ("determinism", "positions_used"),
-         "padding_invariance": ("determinism", "causality", "positions_used"),
+GATES = {"determinism": ("row_isolation",), "output_contract": ("determinism",),
+         "causality": ("determinism", "row_isolation"), "position_shift": ("determinism", "row_isolation"),
+         "positions_used": ("determinism", "row_isolation"),
+         "attention_distribution": ("determinism", "positions_used", "row_isolation"),
+         "padding_invariance": ("determinism", "causality", "positions_used", "row_isolation"),
          "cache_consistency": ("determinism", "causality", "padding_invariance", "positions_used"),
          "generation": ("determinism", "causality"),
          "label_isolation": ("determinism",)}
@@ -768,10 +855,11 @@ def _single(probe: str):
     return run
 
 
-PROBES = ("determinism", "output_contract", "causality", "padding_invariance", "position_shift", "positions_used",
-          "attention_distribution", "cache_consistency", "generation", "label_isolation")
-determinism, output_contract, causality, padding_invariance, position_shift, positions_used, attention_distribution, \
-    cache_consistency, generation, label_isolation = (_single(p) for p in PROBES)
+PROBES = ("determinism", "row_isolation", "layers_once", "output_contract", "causality", "padding_invariance",
+          "position_shift", "positions_used", "attention_distribution", "cache_consistency", "generation",
+          "label_isolation")
+(determinism, row_isolation, layers_once, output_contract, causality, padding_invariance, position_shift,
+ positions_used, attention_distribution, cache_consistency, generation, label_isolation) = (_single(p) for p in PROBES)
 
 
 # ---- label alignment: the loop's loss vs next-token NLL from the same logits ----
@@ -941,6 +1029,24 @@ class BlackBoxDeterminism(_ActiveProbe):
     description = "the loop's row twice in one eval-mode forward: identical logits (nothing random outside training)"
     PROBE = "determinism"
     CONFIDENCE = 0.85
+
+
+@register
+class BlackBoxRowIsolation(_ActiveProbe):
+    id = "bb_row_isolation"
+    family = "model"
+    description = "the loop's row in two eval-mode batches of other rows around it: identical logits (rows isolated)"
+    PROBE = "row_isolation"
+    CONFIDENCE = 0.85
+
+
+@register
+class BlackBoxLayersOnce(_ActiveProbe):
+    id = "bb_layers_once"
+    family = "model"
+    description = "one forward calls every layer of each stack of same-class layers (an nn.ModuleList) equally often"
+    PROBE = "layers_once"
+    CONFIDENCE = 0.8
 
 
 @register

@@ -48,6 +48,8 @@ class Attention(nn.Module):
             allowed = allowed & attention_mask[:, None, None, :].bool()
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         weights = scores.softmax(-2 if "softmax_over_queries" in self.bugs else -1)
+        if "keys_pooled_over_batch" in self.bugs:  # the values averaged over the batch: every row sees every other
+            v = v + v.mean(0, keepdim=True)
         if "dropout_in_eval" in self.bugs:  # training=True hard-coded instead of self.training
             weights = F.dropout(weights, 0.1, training=True)
         return self.proj((weights @ v).transpose(1, 2).reshape(B, L, DIM))
@@ -65,8 +67,9 @@ class Block(nn.Module):
 
 
 class RotaryLM(nn.Module):
-    """Bugs: keys_not_rotated, mask_ignored, softmax_over_queries, dropout_in_eval (attention); position_ids_ignored
-    (recomputed from 0), returns_probabilities (softmax of the logits, the loop's cross-entropy on them)."""
+    """Bugs: keys_not_rotated, mask_ignored, softmax_over_queries, dropout_in_eval, keys_pooled_over_batch
+    (attention); position_ids_ignored (recomputed from 0), returns_probabilities (softmax of the logits, the loop's
+    cross-entropy on them), last_block_skipped (the layer loop stops one short)."""
 
     def __init__(self, bugs=()):
         super().__init__()
@@ -79,7 +82,7 @@ class RotaryLM(nn.Module):
         if position_ids is None or "position_ids_ignored" in self.bugs:
             position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         x = self.embed(input_ids)
-        for block in self.blocks:
+        for block in self.blocks[:-1] if "last_block_skipped" in self.bugs else self.blocks:
             x = block(x, attention_mask, position_ids)
         logits = self.head(self.norm(x))
         return logits.softmax(-1) if "returns_probabilities" in self.bugs else logits
@@ -112,6 +115,8 @@ CASES = {
     "bb_position_shift": ("keys_not_rotated", "position", "blocks.0.attn"),
     "bb_positions_used": ("position_ids_ignored", "position", ""),
     "bb_attention_distribution": ("softmax_over_queries", "model", "blocks.0.attn"),
+    "bb_row_isolation": ("keys_pooled_over_batch", "model", "blocks.0.attn"),
+    "bb_layers_once": ("last_block_skipped", "model", ""),
 }
 
 
