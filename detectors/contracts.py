@@ -643,7 +643,7 @@ _CONTRACTS = (
        "the schedule advances exactly once per optimizer step, after it",
        "PyTorch UserWarning 'Detected call of lr_scheduler.step() before optimizer.step()'; " + S002
        + ": scheduler.step() placement",
-       BOTH, ("lr_schedule", "grad_hygiene", "train_step_contract")),
+       BOTH, ("lr_schedule", "grad_hygiene", "train_step_contract", "bb_schedule_steps")),
     _c("schedule.state.resume",
        "after a resume the schedule is at the position the uninterrupted run would be",
        HF_TRAINER + "::test_can_resume_training; " + S002 + ": save the scheduler state",

@@ -316,7 +316,10 @@ class Watch:
         modules = dict(self.ctx.model.named_modules())
         lambdas = getattr(self.ctx.scheduler, "lr_lambdas", None) or [None]
         for finding in (f for d in self.detectors for f in d.findings if f.evidence.get("code") is None):
-            obj = lambdas[0] if finding.where == "scheduler" else modules.get(finding.where or "\0")
+            if finding.where == "scheduler":
+                obj = lambdas[0]
+            else:  # a module path ("" is the model itself); None or another place of the loop: no object
+                obj = modules.get(finding.where) if finding.where is not None else None
             place = object_place(obj) if obj is not None else None
             if place is not None:
                 finding.evidence["code"] = place

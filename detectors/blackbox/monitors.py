@@ -60,6 +60,42 @@ class LRShape(BlackBoxDetector):
 
 
 @register
+class ScheduleSteps(BlackBoxDetector):
+    """The schedule advances at most once per optimizer step: between two optimizer steps the scheduler's step
+    counter (torch's ``LRScheduler.last_epoch``) moves by at most one per step the loop attempted (1 + the steps the
+    scaler skipped in between: a loop may step its scheduler after a skipped step too), times the processes (a
+    scheduler prepared by accelerate steps once per process). A scheduler stepped per epoch or on a plateau moves
+    less, which is fine. Reported when the excess holds on ``MIN_STEPS`` steps."""
+
+    id = "bb_schedule_steps"
+    family = "optimizer"
+    description = "the LR scheduler advances at most once per optimizer step (not per micro-batch, not twice)"
+    MIN_STEPS = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._epoch: int | None = None
+
+    def on_start(self, ctx: WatchContext) -> None:
+        if not isinstance(getattr(ctx.scheduler, "last_epoch", None), int):
+            raise NotApplicable("no scheduler with a step counter (last_epoch) was handed to the watch")
+        self._epoch = ctx.scheduler.last_epoch
+
+    def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
+        epoch = ctx.scheduler.last_epoch
+        moved, allowed = epoch - self._epoch, (1 + record.skipped) * max(1, ctx.world_size)
+        self._epoch = epoch
+        hits = self.tally("fast", (record.step, moved, allowed) if moved > allowed else None, self.MIN_STEPS)
+        if hits:
+            step, moved, allowed = hits[0]
+            self.report_once("fast", ctx, "optimizer", "scheduler",
+                             f"the LR scheduler advanced {moved} times between two optimizer steps (at most "
+                             f"{allowed}: one per step the loop attempted) on {len(hits)} steps: it is stepped per "
+                             "micro-batch or more than once per step, so the schedule runs that many times too fast "
+                             "(warmup and decay end early)", {"steps": hits[:5]}, confidence=0.85, step=step)
+
+
+@register
 class GradientsCleared(BlackBoxDetector):
     """Gradients are cleared between optimizer steps: at the first backward after a step no parameter of the
     optimizer may still hold a non-zero ``.grad`` (the watch checks it when that backward's first gradient

@@ -28,12 +28,13 @@ def _batches(seed: int, n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor
 
 def _loop(model, optimizer, detector: str, *, scheduler=None, golden=None, clip: float | None = 1.0,
           zero_grad_before_step: bool = False, overwrite_lr: float | None = None, seed: int = 0, steps: int = STEPS,
-          micro: int = 1, divide_twice: bool = False):
+          micro: int = 1, divide_twice: bool = False, schedule: str = "step"):
     """A plain loop (forward, backward, clip, step, scheduler step, zero_grad) under a watch of ``detector`` alone,
     ``micro`` micro-batches (each loss divided by ``micro``) per step. The bugs: ``zero_grad_before_step`` (the
     gradients cleared between the backward and the step), ``overwrite_lr`` (the loop sets every group's lr itself
     after the scheduler set it), ``clip=None`` (no clipping), ``divide_twice`` (each micro-batch's loss divided
-    by ``micro`` twice)."""
+    by ``micro`` twice), ``schedule`` "micro" or "twice" (the scheduler stepped after every micro-batch, or twice a
+    step; "epoch": once every 3 steps, as a per-epoch schedule is: correct)."""
     torch.set_num_threads(1)
     w = faultbench.watch(model, optimizer, scheduler=scheduler, golden=golden, report=False, detectors=[detector])
     with w:
@@ -42,6 +43,8 @@ def _loop(model, optimizer, detector: str, *, scheduler=None, golden=None, clip:
             for x, y in batches[start:start + micro]:
                 _, loss = model(x, y)
                 (loss / micro / (micro if divide_twice else 1)).backward()
+                if scheduler is not None and schedule == "micro":
+                    scheduler.step()
             if zero_grad_before_step:
                 optimizer.zero_grad(set_to_none=True)
             if clip is not None:
@@ -50,8 +53,9 @@ def _loop(model, optimizer, detector: str, *, scheduler=None, golden=None, clip:
                 for group in optimizer.param_groups:
                     group["lr"] = overwrite_lr
             optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
+            last_of_epoch = start // micro % 3 == 2
+            for _ in range({"step": 1, "micro": 0, "twice": 2, "epoch": int(last_of_epoch)}[schedule]):
+                scheduler is not None and scheduler.step()
             optimizer.zero_grad(set_to_none=True)
     assert w.errors == {} and w.not_applicable == {}, (w.errors, w.not_applicable)
     return w
@@ -183,3 +187,40 @@ def test_an_optimizer_that_ignores_its_scheduler(bug):
     # from the first step: the optimizer uses 3e-3 while the warmup reports 3e-3 / 4, then 3e-3 / 2
     assert w.findings[0].step == 1
     assert w.findings[0].evidence["steps"] == [[1, 3e-3, pytest.approx(3e-3 / 4)], [2, 3e-3, pytest.approx(3e-3 / 2)]]
+
+
+# ---- bb_schedule_steps: the scheduler advances at most once per optimizer step --------------------------------------
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")  # stepped before the first step
+@pytest.mark.parametrize(("schedule", "micro"), [("step", 4), ("epoch", 1), ("micro", 4), ("twice", 1)])
+def test_a_scheduler_stepped_per_micro_batch_or_twice_a_step(schedule, micro):
+    model, optimizer, _ = build(TrainConfig(), seed=0)
+    w = _loop(model, optimizer, "bb_schedule_steps", scheduler=_warmup(optimizer), micro=micro, schedule=schedule)
+    found = _found(w, "bb_schedule_steps")
+    if schedule in ("step", "epoch"):
+        assert found == []
+        return
+    assert found == [("optimizer", "scheduler")]
+    # micro: the first optimizer step already sees 4 scheduler steps; twice: the second (the first is stepped after it)
+    first = 1 if schedule == "micro" else 2
+    moved = micro if schedule == "micro" else 2
+    assert w.findings[0].evidence["steps"] == [[first, moved, 1], [first + 1, moved, 1]]
+
+
+def test_a_scheduler_stepped_after_steps_the_scaler_skipped_is_fine():
+    """fp16-style: the loop steps its scheduler after every iteration, the optimizer stepped only when the scaler
+    did not skip (here: a scale so large the first steps overflow)."""
+    model, optimizer, _ = build(TrainConfig(), seed=0)
+    scheduler = _warmup(optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    w = faultbench.watch(model, optimizer, scheduler=scheduler, scaler=scaler, report=False,
+                         detectors=["bb_schedule_steps"])
+    with w:
+        for x, y in _batches(0, 8):
+            _, loss = model(x, y)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert sum(r.skipped for r in w.ctx.history) >= 1 and len(w.ctx.history) >= 2  # the premise: skipped steps
+    assert w.errors == {} and w.findings == []
