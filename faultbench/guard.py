@@ -46,13 +46,14 @@ def object_place(obj) -> dict | None:
     method's), a torch module's class ``forward``; None for what has no Python code (a builtin)."""
     if isinstance(obj, functools.partial):
         obj = obj.func
-    if isinstance(obj, torch.nn.Module):
+    module = isinstance(obj, torch.nn.Module)
+    if module:
         obj = type(obj).forward
     fn = inspect.unwrap(getattr(obj, "__func__", obj))
     code = getattr(fn, "__code__", None)
     if not isinstance(code, types.CodeType):
         return None
-    return {**_place(code, getattr(fn, "__module__", None) or "?", code.co_firstlineno), "method_of_module": False}
+    return {**_place(code, getattr(fn, "__module__", None) or "?", code.co_firstlineno), "method_of_module": module}
 
 
 def _place(code: types.CodeType, module: str, line: int) -> dict:

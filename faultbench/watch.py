@@ -199,7 +199,19 @@ class Watch:
     # ---- public
     @property
     def findings(self) -> list[Finding]:
-        return rank_findings([f for d in self.detectors for f in d.findings])
+        """Ranked (most confident, then earliest), the user's code first: a finding whose place is an installed
+        library's code (not a module's: ``_library_key``) comes after every other; those the golden acknowledges are
+        left out (``acknowledged``)."""
+        known = _acknowledged_keys(self.ctx.golden)
+        ranked = rank_findings([f for d in self.detectors for f in d.findings if _library_key(f) not in known])
+        return sorted(ranked, key=lambda f: _library_key(f) is not None)
+
+    @property
+    def acknowledged(self) -> list[Finding]:
+        """Findings about a library's code that the golden's known-good runs made too (``record_golden``): true,
+        not the user's to fix, and not repeated in ``findings`` or the report."""
+        known = _acknowledged_keys(self.ctx.golden)
+        return rank_findings([f for d in self.detectors for f in d.findings if _library_key(f) in known])
 
     @property
     def attached(self) -> bool:
@@ -228,6 +240,7 @@ class Watch:
         """The report as data, and what a golden is made of: the step records kept ("history", the last
         ``StepHistory.LIMIT``), how many were taken ("recorded"), and whether the loop raised ("crashed")."""
         return {"steps": self.ctx.step, "findings": [f.to_dict() for f in self.findings],
+                "acknowledged": [f.to_dict() for f in self.acknowledged],
                 "not_applicable": dict(self.not_applicable), "errors": dict(self.errors),
                 "history": [dataclasses.asdict(r) for r in self.ctx.history],
                 "recorded": self.ctx.history.recorded, "crashed": self._crashed}
@@ -245,6 +258,10 @@ class Watch:
             # its evidence began at
             lines.append(f"{i:>2}. [{f.subsystem}] {f.where}{_whose(f)} (found at step {f.step}, {f.detector}, "
                          f"confidence {f.confidence:.2f}): {f.message}")
+        known = len(self.acknowledged)
+        if known:
+            lines.append(f"acknowledged: {known} finding{'s' * (known != 1)} about library code that the golden's "
+                         "known-good runs made too (w.acknowledged lists them)")
         lines += _not_applicable_lines(self.not_applicable)
         lines += [f"detector error: {d}: {err}" for d, err in self.errors.items()]
         return "\n".join(lines)
@@ -635,6 +652,20 @@ def _instantiate(detectors) -> list[BlackBoxDetector]:
     return [registry[d]() for d in ids]
 
 
+def _library_key(finding: Finding | dict) -> tuple[str, str] | None:
+    """(detector, qualified name) of a finding whose place in code is an installed library's and not a module's
+    forward (a module, whatever its class, is a part of the user's model: a Trainer's loss, a schedule function or a
+    collator is the library's); None for the user's."""
+    f = finding.to_dict() if isinstance(finding, Finding) else finding
+    code = (f.get("evidence") or {}).get("code")
+    library = isinstance(code, dict) and code.get("library") and not code.get("method_of_module")
+    return (f["detector"], code["qualname"]) if library else None
+
+
+def _acknowledged_keys(golden: dict | None) -> set[tuple[str, str]]:
+    return {tuple(k) for k in (golden or {}).get("acknowledged") or ()}
+
+
 def _whose(finding: Finding) -> str:
     """" (transformers 5.23.0's code)" when the finding's place in code is an installed library's, not the user's."""
     code = finding.evidence.get("code")
@@ -681,7 +712,10 @@ def record_golden(runs, path=None) -> dict:
          "layout": {"bos" | "bos2" | "eos" | "full_eos" | "idle": [lo, hi] of each run's fraction of its rows, of
                     its full-width rows, of its padded cells (detectors.blackbox.batches.FRACTIONS)}, "max_len": int,
          "repeats": the most training batches any run trained on twice,
-         "eval_overlap": the largest fraction of evaluated documents that a run had trained on}
+         "eval_overlap": the largest fraction of evaluated documents that a run had trained on,
+         "acknowledged": [[detector, qualified name], ...] of the findings about an installed library's code that a
+                         run given as a Watch or its saved dict made (true, not the user's: a watch with this golden
+                         lists them under ``acknowledged``, not among its findings)}
 
     A span is None where no run measured it; keys of fields no run recorded are None.
     """
@@ -720,9 +754,20 @@ def record_golden(runs, path=None) -> dict:
     golden["eval_sizes"] = sizes[0] if sizes[0] and all(s == sizes[0] for s in sizes) else None
     batches = [[b for r in h for b in r.batches] for h in histories]
     golden["repeats"] = max(len(b) - len(set(b)) for b in batches) if all(batches) else None
+    library = {key for run in runs for f in _run_findings(run) if (key := _library_key(f)) is not None}
+    golden["acknowledged"] = [list(key) for key in sorted(library)]
     if path is not None:
         Path(path).write_text(json.dumps(golden, indent=1))
     return golden
+
+
+def _run_findings(run) -> list:
+    """A known-good run's findings, acknowledged ones included (none for a bare history)."""
+    if isinstance(run, Watch):
+        return [*run.findings, *run.acknowledged]
+    if isinstance(run, dict):
+        return [*(run.get("findings") or []), *(run.get("acknowledged") or [])]
+    return []
 
 
 def _agreed(histories: list[list[StepRecord]], field: str):

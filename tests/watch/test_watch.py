@@ -370,12 +370,19 @@ def test_a_finding_on_the_scheduler_names_its_schedule_function(spies, monkeypat
 
 
 def test_the_report_says_when_a_findings_place_is_a_librarys_code(spies, monkeypatch):
+    """A place in an installed library's code is labelled with the package and version. A module of the model is the
+    user's whatever its class (torch's Linear keeps its rank); other library code (here transformers' schedule
+    function) is ranked after the user's findings, and a golden whose known-good runs made the same finding
+    acknowledges it: listed apart, no longer among the findings."""
+    from transformers import get_constant_schedule
+
     class ModuleSpy(Spy):
         id = "test_module_spy"
 
         def on_end(self, ctx):
             self.report(ctx, "model", "1", "spy on an installed library's module")  # torch's Linear
             self.report(ctx, "model", "0", "spy on the user's module", confidence=0.4)
+            self.report(ctx, "optimizer", "scheduler", "spy on a library's schedule", confidence=0.9)
 
     class Users(torch.nn.Module):
         def forward(self, x):
@@ -384,11 +391,28 @@ def test_the_report_says_when_a_findings_place_is_a_librarys_code(spies, monkeyp
     monkeypatch.setitem(DETECTORS, ModuleSpy.id, ModuleSpy)
     model = torch.nn.Sequential(Users(), torch.nn.Linear(4, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with faultbench.watch(model, optimizer, detectors=["test_module_spy"], report=False) as w:
-        model(torch.ones(2, 4)).sum().backward()
-        optimizer.step()
-    library, users = w.findings
-    assert library.evidence["code"]["library"] == f"torch {torch.__version__}"
-    assert users.evidence["code"]["library"] is None and users.evidence["code"]["qualname"].endswith("Users.forward")
+
+    def one_step(golden=None):
+        with faultbench.watch(model, optimizer, scheduler=get_constant_schedule(optimizer), golden=golden,
+                              detectors=["test_module_spy"], report=False) as w:
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+        return w
+
+    w = one_step()
+    assert [f.where for f in w.findings] == ["1", "0", "scheduler"]  # the schedule's 0.9 ranked last: a library's
+    linear, users, schedule = (f.evidence["code"] for f in w.findings)
+    assert linear["library"] == f"torch {torch.__version__}" and linear["method_of_module"]
+    assert users["library"] is None and users["qualname"].endswith("Users.forward")
+    assert schedule["library"].startswith("transformers ") and not schedule["method_of_module"]
     lines = w.report().splitlines()
     assert f"] 1 (torch {torch.__version__}'s code) (found at step 1" in lines[1] and "'s code" not in lines[2]
+    assert "] scheduler (transformers " in lines[3]
+    assert w.acknowledged == [] and not any(line.startswith("acknowledged") for line in lines)
+
+    golden = faultbench.record_golden([w, w.to_dict()])  # known-good runs, live and saved
+    assert golden["acknowledged"] == [["test_module_spy", schedule["qualname"]]]
+    again = one_step(golden)
+    assert [f.where for f in again.findings] == ["1", "0"] and [f.where for f in again.acknowledged] == ["scheduler"]
+    assert "acknowledged: 1 finding about library code" in again.report()
+    assert [f["where"] for f in again.to_dict()["acknowledged"]] == ["scheduler"]
