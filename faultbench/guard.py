@@ -85,6 +85,22 @@ def crash_of(exc: BaseException) -> dict:
             "qualnames": [frame_qualname(f) for f, _ in walked], "code": code}
 
 
+def caller_place(skip: int = 1) -> dict | None:
+    """``code_place`` of the innermost frame above this call (``skip`` frames up: the caller's caller with 1) that is
+    neither machinery nor a wrapper of a model's forward (accelerate's autocast): the code that called the model, in
+    a forward hook. None when every frame is machinery."""
+    frame = sys._getframe(skip + 1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not _is_machinery(frame) and not module.startswith(_FORWARD_WRAPPERS):
+            return code_place(frame, frame.f_lineno)
+        frame = frame.f_back
+    return None
+
+
+_FORWARD_WRAPPERS = ("accelerate.utils.operations",)  # model.forward replaced by an autocast + fp32-output wrapper
+
+
 def frame_qualname(frame) -> str:
     """``module.qualname`` of the function ``frame`` runs (``model.gpt.Block.forward``)."""
     return f"{frame.f_globals.get('__name__', '?')}.{frame.f_code.co_qualname}"

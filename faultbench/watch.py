@@ -53,7 +53,7 @@ from faultbench.detectors.blackbox.batches import (
 from faultbench.detectors.blackbox.conventions import Conventions
 from faultbench.detectors.blackbox.gradients import implied_loss as implied_loss_of
 from faultbench.detectors.blackbox.optimizer_numerics import WeightSampler, stepped_groups
-from faultbench.guard import callable_module, crash_of, object_place, watched_crash
+from faultbench.guard import callable_module, caller_place, crash_of, object_place, watched_crash
 
 # the names a forward's arguments go by, mapped to the batch keys detectors read
 _ARG_NAMES = {"input_ids": "input_ids", "idx": "input_ids", "tokens": "input_ids", "x": "input_ids",
@@ -165,6 +165,7 @@ class Watch:
         self._grad_handles: dict = {}
         self._eval_handles: list = []  # after exit: forward hooks for evaluations only (watch_evaluations)
         self._eval_call = False  # the forward in flight is an evaluation one (its hook time is not step time)
+        self._callers: dict[bool, dict | None] = {}  # training (False) / evaluation (True) forwards -> their caller
         self._eval_docs = 0  # documents of the evaluation forwards since the last reported evaluation loss
         self._forward_hooks = (self._before_forward, self._after_forward)
         self._stale_check = self._guard(self._grad_arrives)  # hooked on a sampled step's first logits
@@ -329,15 +330,19 @@ class Watch:
 
     def _name_code(self) -> None:
         """Each finding whose place is an object of the loop gets that object's place in code (evidence "code",
-        ``faultbench.guard.object_place``): a module path its class's forward, "scheduler" its schedule function."""
+        ``faultbench.guard.object_place``): a module path its class's forward, "scheduler" its schedule function;
+        "loss" and "eval" the code that called the model for training and for evaluation forwards (where the loss is
+        computed or asked for: the user's step function, Trainer's ``compute_loss``)."""
         modules = dict(self.ctx.model.named_modules())
         lambdas = getattr(self.ctx.scheduler, "lr_lambdas", None) or [None]
         for finding in (f for d in self.detectors for f in d.findings if f.evidence.get("code") is None):
-            if finding.where == "scheduler":
-                obj = lambdas[0]
+            if finding.where in ("loss", "eval"):  # made where the model is called: training or evaluation forwards
+                place = self._callers.get(finding.where == "eval")
+            elif finding.where == "scheduler":
+                place = object_place(lambdas[0]) if lambdas[0] is not None else None
             else:  # a module path ("" is the model itself); None or another place of the loop: no object
                 obj = modules.get(finding.where) if finding.where is not None else None
-            place = object_place(obj) if obj is not None else None
+                place = object_place(obj) if obj is not None else None
             if place is not None:
                 finding.evidence["code"] = place
 
@@ -410,6 +415,8 @@ class Watch:
         self._eval_call = not (torch.is_grad_enabled() and module.training)
         self.ctx.phase = "eval forward" if self._eval_call else "forward"
         self._pending = self.ctx.pending_batch = normalize_call(self._positional, args, kwargs)
+        if self._eval_call not in self._callers:  # the code that calls the model, once a kind: where its loss is made
+            self._callers[self._eval_call] = caller_place(2)
         if self.ctx.rng_at_start is None and torch.is_grad_enabled() and module.training:
             self.ctx.rng_at_start = torch.get_rng_state()  # the global RNG as the first training forward finds it
 
@@ -720,6 +727,7 @@ def record_golden(runs, path=None) -> dict:
     A span is None where no run measured it; keys of fields no run recorded are None.
     """
     histories = [_history(run) for run in runs]
+    library = {key for run in runs for f in _run_findings(run) if (key := _library_key(f)) is not None}
     if not histories or not all(histories):
         raise ValueError("record_golden needs at least one finished run with optimizer steps")
     steps = min(len(h) for h in histories)
@@ -742,8 +750,8 @@ def record_golden(runs, path=None) -> dict:
     golden["init"] = _init_spans(histories)
     layouts = [[r.layout for r in h if r.layout] for h in histories]
     if all(layouts):
-        runs = [layout_fractions(run) for run in layouts]
-        golden["layout"] = {k: span(run.get(k) for run in runs) for k in LAYOUT_FRACTIONS
+        fractions = [layout_fractions(run) for run in layouts]
+        golden["layout"] = {k: span(run.get(k) for run in fractions) for k in LAYOUT_FRACTIONS
                             if all(k in lay for run in layouts for lay in run)}
         golden["max_len"] = max(lay["len"] for run in layouts for lay in run)
     else:
@@ -754,7 +762,6 @@ def record_golden(runs, path=None) -> dict:
     golden["eval_sizes"] = sizes[0] if sizes[0] and all(s == sizes[0] for s in sizes) else None
     batches = [[b for r in h for b in r.batches] for h in histories]
     golden["repeats"] = max(len(b) - len(set(b)) for b in batches) if all(batches) else None
-    library = {key for run in runs for f in _run_findings(run) if (key := _library_key(f)) is not None}
     golden["acknowledged"] = [list(key) for key in sorted(library)]
     if path is not None:
         Path(path).write_text(json.dumps(golden, indent=1))

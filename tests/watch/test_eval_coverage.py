@@ -85,4 +85,6 @@ def test_a_clean_run_is_silent_and_without_a_golden_not_applicable(golden):
 def test_an_evaluation_that_drops_or_repeats_documents_is_an_eval_finding(golden, bug, size):
     found = [(f.detector, f.subsystem, f.where, f.evidence) for f in run(0, bug, golden).findings
              if f.detector == "bb_eval_coverage"]
+    code = found[0][3].pop("code")
     assert found == [("bb_eval_coverage", "eval", "eval", {"step": 3, "documents": size, "golden": VAL})]
+    assert code["qualname"] == f"{__name__}.evaluate" and code["library"] is None  # the code that evaluated

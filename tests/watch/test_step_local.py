@@ -87,7 +87,10 @@ def test_a_backward_that_reaches_an_earlier_step_is_named(shape, subsystem, wher
     [finding] = [f for f in w.findings if f.detector == DETECTOR]
     assert (finding.subsystem, finding.where, finding.step) == (subsystem, where, 1)
     assert words in finding.message
+    code = finding.evidence.pop("code", None)
     assert finding.evidence == {"forward_step": 0, "backward_step": 1}
+    if where == "loss":  # the code that called the model: the loop's step, whose running sum is the bug
+        assert code["qualname"] == f"{__name__}._steps" and code["library"] is None
 
 
 def test_a_backward_after_the_watch_exited_is_not_judged():
