@@ -89,8 +89,9 @@ class GoldenUpdate(BlackBoxDetector):
                 continue
             lo, hi = span
             if ratio > hi * self.FACTOR or ratio < lo / self.FACTOR:
-                return {"step": record.step, "group": group, "ratio": ratio, "golden": [lo, hi],
-                        "times": ratio / hi if ratio > hi else ratio / lo}
+                # where the known-good runs did not move the weights (a step at LR 0), any move is infinitely more
+                times = (ratio / hi if hi > 0 else math.inf) if ratio > hi else ratio / lo
+                return {"step": record.step, "group": group, "ratio": ratio, "golden": [lo, hi], "times": times}
         return None
 
     def on_after_step(self, ctx: WatchContext, record: StepRecord) -> None:
@@ -111,11 +112,15 @@ class GoldenUpdate(BlackBoxDetector):
             first = hits[0]
             self.report_once("outside", ctx, "optimizer", "optimizer",
                              f"from step {first['step']} the optimizer moved param group {first['group']}'s weights "
-                             f"by {first['ratio']:.3g} of their norm per step ({first['times']:.2g} x the known-good "
+                             f"by {first['ratio']:.3g} of their norm per step ({_times(first['times'])} the known-good "
                              f"runs' {first['golden'][0]:.3g}-{first['golden'][1]:.3g} at the same steps), "
                              f"{self.MIN_STEPS} sampled steps in a row: the update rule runs otherwise than declared "
                              "(its LR, betas, eps, decay or moments are not the ones reported)",
                              {"steps": hits[:5]}, confidence=0.45)
+
+
+def _times(times: float) -> str:
+    return f"{times:.2g} x" if math.isfinite(times) else "where nothing moved in"
 
 
 _LOW = (torch.float16, torch.bfloat16)

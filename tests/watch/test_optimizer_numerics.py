@@ -8,7 +8,9 @@ correct resume, stay silent.
 
 from __future__ import annotations
 
+import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -112,3 +114,15 @@ def test_moments_kept_in_bf16_are_a_precision_finding():
     w = _segment(*_parts(0, True, "bf16_state"), 0, 0, 4)
     assert _findings(w) == [("bb_state_precision", "precision", "optimizer")], w.report()
     assert w.findings[0].evidence["state"] == {"m": "bfloat16", "v": "bfloat16"}
+
+
+def test_weights_moved_where_the_known_good_runs_did_not_are_a_finding_not_an_error():
+    """Known-good runs whose warmup starts at LR 0 record an update ratio of 0 at their first steps (a span [0, 0]):
+    a run that moves its weights there is outside the span by any factor, said as such (no division by the 0)."""
+    golden = copy.deepcopy(_golden())
+    for step in golden["steps"]:
+        step["updates"] = [[0.0, 0.0] for _ in step["updates"]]
+    w = _segment(*_parts(0), 0, 0, STEPS, golden=golden)
+    assert w.errors == {}
+    assert _findings(w) == [("bb_golden_update", "optimizer", "optimizer")], w.report()
+    assert float(w.findings[0].evidence["steps"][0]["times"]) == math.inf and "where nothing moved in" in w.findings[0].message
