@@ -12,10 +12,9 @@ from faultbench import targets
 from faultbench.detectors.api import ROLES, RunContext, all_detectors
 from faultbench.detectors.collate import collate_violations, crafted_batches
 from faultbench.detectors.loss import lm_loss_problems
-from faultbench.detectors.mask import CONTRACT_CASES, broken_mask_part, check_build_mask
+from faultbench.detectors.mask import broken_mask_part, check_build_mask
 from faultbench.detectors.optimizer import scheduler_lrs
 from faultbench.faults.inject import injected
-from faultbench.model.seams import SEAMS as REF_SEAMS
 from faultbench.targets.hf.recipes import RECIPES
 from faultbench.targets.hf.roles import ROLES as HF_ROLES
 from faultbench.targets.hf.run import build_run
@@ -38,7 +37,6 @@ def test_every_role_a_target_offers_is_a_known_role_standing_for_one_of_its_seam
     roles, seams = targets.get(target).roles(), targets.get(target).seams()
     assert roles and set(roles) <= set(ROLES)
     assert {name: spec.seam for name, spec in roles.items() if spec.seam not in seams} == {}
-    assert set(targets.get(target).seams()) == set(SEAMS if target == "hf" else REF_SEAMS)
 
 
 @pytest.mark.parametrize("recipe", ["fp32", "eager"])
@@ -52,7 +50,7 @@ def test_the_clean_hf_roles_keep_their_contracts(recipe, tmp_path):
         for docs in crafted_batches(run.bos_id, run.eos_id, words).values():
             assert collate_violations(ctx.role("collate"), docs, run.pad_id, side, vocab) == {}
     assert check_build_mask(ctx.role("mask_builder"), torch.device("cpu")) == {}
-    assert len(CONTRACT_CASES) == 4 and broken_mask_part(ctx) is None
+    assert broken_mask_part(ctx) is None
     assert lm_loss_problems(ctx)["problems"] == {}
     labels = ctx.role("collate")([[run.bos_id, 7, 8, run.eos_id], [run.bos_id, 9, run.eos_id]], run.pad_id,
                                  "right")["labels"]
