@@ -203,16 +203,20 @@ class Watch:
         """Ranked (most confident, then earliest), the user's code first: a finding whose place is an installed
         library's code (not a module's: ``_library_key``) comes after every other; those the golden acknowledges are
         left out (``acknowledged``)."""
-        known = _acknowledged_keys(self.ctx.golden)
-        ranked = rank_findings([f for d in self.detectors for f in d.findings if _library_key(f) not in known])
-        return sorted(ranked, key=lambda f: _library_key(f) is not None)
+        return self._partition()[0]
 
     @property
     def acknowledged(self) -> list[Finding]:
         """Findings about a library's code that the golden's known-good runs made too (``record_golden``): true,
         not the user's to fix, and not repeated in ``findings`` or the report."""
-        known = _acknowledged_keys(self.ctx.golden)
-        return rank_findings([f for d in self.detectors for f in d.findings if _library_key(f) in known])
+        return self._partition()[1]
+
+    def _partition(self) -> tuple[list[Finding], list[Finding]]:
+        """(findings, acknowledged), each ranked; the findings about library code after the user's."""
+        known = {tuple(k) for k in (self.ctx.golden or {}).get("acknowledged") or ()}
+        keyed = [(f, _library_key(f)) for f in rank_findings([f for d in self.detectors for f in d.findings])]
+        kept = sorted((pair for pair in keyed if pair[1] not in known), key=lambda pair: pair[1] is not None)
+        return [f for f, _ in kept], [f for f, key in keyed if key in known]
 
     @property
     def attached(self) -> bool:
@@ -667,10 +671,6 @@ def _library_key(finding: Finding | dict) -> tuple[str, str] | None:
     code = (f.get("evidence") or {}).get("code")
     library = isinstance(code, dict) and code.get("library") and not code.get("method_of_module")
     return (f["detector"], code["qualname"]) if library else None
-
-
-def _acknowledged_keys(golden: dict | None) -> set[tuple[str, str]]:
-    return {tuple(k) for k in (golden or {}).get("acknowledged") or ()}
 
 
 def _whose(finding: Finding) -> str:

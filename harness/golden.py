@@ -18,10 +18,15 @@ first micro-batches.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+from faultbench import targets
 from faultbench.harness.atomic import read_cached_json, write_text
+from faultbench.harness.case import execute
+from faultbench.harness.digest import source_digest
+from faultbench.harness.record import Case
 from faultbench.harness.recorder import GoldenRecorder
 from faultbench.harness.watched import WATCH_HISTORY, WATCH_RECORDER
 
@@ -32,8 +37,6 @@ CACHE = ROOT / ".cache" / "golden"
 
 def golden_cases(recipes, target: str = "ref") -> list:
     """The clean cases whose traces make the golden entries of ``target``'s ``recipes``."""
-    from faultbench.harness.record import Case
-
     return [Case(recipe, seed, detectors=(GoldenRecorder.id, WATCH_RECORDER), target=target) for recipe in recipes
             for seed in GOLDEN_SEEDS]
 
@@ -54,8 +57,6 @@ def trace_of(record: dict) -> dict:
 
 def digest(target: str = "ref") -> str:
     """The sources ``target``'s clean runs depend on: the reference's model, the target's package, the runner's glue."""
-    from faultbench.harness.digest import source_digest
-
     stack = (f"targets/{target}", "targets/__init__.py")
     # a golden run's envelope for the black-box track is what the watch recorded (faultbench/watch.py, with the
     # step records and the readers of detectors/blackbox/: a new field there is a new golden)
@@ -66,10 +67,6 @@ def digest(target: str = "ref") -> str:
 
 def _key(recipe: str, target: str = "ref") -> str:
     """A golden entry belongs to the target's recipe as defined now (a changed step count is another entry)."""
-    import hashlib
-
-    from faultbench import targets
-
     definition = repr(targets.get(target).recipes()[recipe])
     return f"{target}/{recipe}-{hashlib.sha1(definition.encode()).hexdigest()[:8]}"
 
@@ -91,8 +88,6 @@ def load_golden(recipes, pool=None, run_cases=None, target: str = "ref") -> dict
     ``run_cases(cases) -> records`` runs the missing golden cases (the bench runs them in parallel);
     by default they run one after the other here (on ``pool`` for the data-parallel recipes).
     """
-    from faultbench.harness.case import execute
-
     path = CACHE / f"{target}-{digest(target)}.json"
     golden = read_cache(path)
     missing = golden_cases([r for r in recipes if _key(r, target) not in golden], target)

@@ -510,7 +510,7 @@ class ProbeRound:
         return ProbeResult("layers_once", float(max(counts) - min(counts)), parent, "model",
                            f"one forward ran the {len(counts)} layers of {path} {counts} times (each once: a "
                            f"declared layer skipped or run again); in the forward of "
-                           f"{parent or 'the model'}", {"layer_calls": {p: c for p, c in uneven.items()}})
+                           f"{parent or 'the model'}", {"layer_calls": uneven})
 
     def _output_contract(self) -> ProbeResult | None:
         """The logits are logits: finite, not probabilities (non-negative rows summing to 1), and a model that

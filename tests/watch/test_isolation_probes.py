@@ -98,7 +98,7 @@ def test_a_layer_skipped_or_run_twice_is_named_in_the_forward_that_runs_the_stac
 
 
 class MixtureOfExperts(nn.Module):
-    """A top-1 mixture: each expert is called on the tokens routed to it only (some on none)."""
+    """A top-1 mixture: each expert is called on the tokens routed to it only (a few of the row's tokens each)."""
 
     def __init__(self, width: int, experts: int = 4):
         super().__init__()
