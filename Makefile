@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch is installed first and pinned for every later install, so pip can never swap in another build.
 TORCH  := torch==2.13.0
 
-.PHONY: setup test bench bench-quick bench-mutants bench-blind mutants bench-peers perf faults-report mutation lint clean
+.PHONY: setup test bench bench-quick bench-mutants bench-blind mutants practice-validate bench-peers perf faults-report mutation lint clean
 
 setup: $(VENV)/.installed
 
@@ -55,6 +55,11 @@ bench-blind: setup
 	$(PY) -m faultbench bench --target all --plugin benchmarks/$(BLIND)/blind_faults.py --only-plugin-faults --blind \
 		--out .cache/$(BLIND)
 	$(PY) -m faultbench.harness.sets .cache/$(BLIND)/summary.json results/$(BLIND)/summary.json
+
+# Which reference faults practice offers: each exercise built and run, its symptom checked against the healthy run
+# and its repair against check (about 5 minutes on 2 cores): results/practice_offer.md.
+practice-validate: setup
+	$(PY) -m faultbench practice validate
 
 # Re-admit the mutant set from the seams as they stand (about 30 minutes on 2 cores); prints each operator's admit rate.
 mutants: setup

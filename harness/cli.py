@@ -502,6 +502,17 @@ def _mutant_reports(args) -> None:
         sets.write_sets(results)
 
 
+def _rubric_scores(pairs: list[str]) -> dict[str, int]:
+    """``dimension=N`` words as a dict (ValueError naming the first malformed one)."""
+    scores = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not value.isdigit():
+            raise ValueError(f"{pair!r} is not DIMENSION=N (e.g. reproduce=3)")
+        scores[name] = int(value)
+    return scores
+
+
 def _practice(args) -> int:
     from faultbench.harness import practice, practice_session
     from faultbench.harness.rubric import rubric
@@ -509,14 +520,23 @@ def _practice(args) -> int:
     torch.set_num_threads(1)
     _load_plugins(args)
     cmd, keys = args.practice_command, getattr(args, "keys", None)
-    if cmd == "rubric":
-        print(rubric(args.fault), end="")
+    if cmd in ("rubric", "runsheet"):
+        if (args.fault is None) == (args.dir is None):
+            raise ValueError(f"practice {cmd} takes an exercise folder or --fault ID (one of them)")
+        key = practice.load_key(args.dir, keys)[0] if args.fault is None else {"fault": args.fault}
+        if cmd == "rubric":
+            print(rubric(key["fault"]), end="")
+        else:
+            from faultbench.harness.runsheet import runsheet
+
+            print(runsheet(key["fault"], args.minutes, key.get("candidate")), end="")
     elif cmd in ("new", "export"):
         if args.fault == "":
             raise ValueError("--fault '' names no fault (leave it out for a hidden one)")
         if getattr(args, "archive", None) is not None:  # refused before the exercise and its key are written
             check_output(args.archive, "--archive", force=args.force)
-        where = practice.new_exercise(args.dir, args.seed, args.fault, args.subsystem, args.difficulty, keys)
+        where = practice.new_exercise(args.dir, args.seed, args.fault, args.subsystem, args.difficulty, keys,
+                                      candidate=args.candidate, max_answers=args.max_answers)
         if getattr(args, "archive", None):
             print(f"archive to hand over: {practice.export_archive(where, args.archive, keys)}")
         print(f"exercise written to {where}: it runs on its own (README.md, train.py, check.py); the answer key "
@@ -526,6 +546,21 @@ def _practice(args) -> int:
         print(f"session started: {args.minutes:g} minutes")
     elif cmd == "status":
         print(practice_session.status(args.dir, keys))
+    elif cmd == "validate":
+        from faultbench.harness import practice_offer
+
+        rows = practice_offer.validate(args.only, args.jobs)
+        if args.only:  # a partial table never replaces the committed one
+            print(practice_offer.table(rows), end="")
+        else:
+            print(f"{sum(r['offered'] for r in rows)} of {len(rows)} faults offered: {practice_offer.write(rows)}")
+    elif cmd == "stop":
+        practice.stop(args.dir, keys)
+        print("session stopped: hints, answers and checks are closed; `report` and `reveal` still work")
+    elif cmd == "score":
+        practice_session.score(args.dir, _rubric_scores(args.scores), keys)
+        mean = practice_session.summary(practice.load_key(args.dir, keys)[0], 0.0)["score"]
+        print(f"scored: overall {mean:.2f} of 4 ({practice_session.band(mean)})")
     elif cmd == "history":
         print(practice_session.history_table(practice_session.history(keys)), end="")
     elif cmd == "report":
@@ -547,9 +582,16 @@ def _practice(args) -> int:
             print("recorded, not scored: the answer was revealed already")
         else:
             seam = "" if verdict["seam"] is None else f"; function: {verdict['seam']}"
-            print(f"subsystem: {verdict['subsystem']}{seam} (hints used: {verdict['hints_used']})")
+            late = "; past the time budget" if verdict["late"] else ""
+            print(f"subsystem: {verdict['subsystem']}{seam} (hints used: {verdict['hints_used']}; answers left: "
+                  f"{verdict['left']}{late})")
     elif cmd == "check":
         result = practice.check(args.dir, keys)
+        if not result["isolated"]:
+            from faultbench.harness.sandbox import unavailable
+
+            print(f"warning: the copy's code ran without the grading sandbox ({unavailable()}): it could have read "
+                  "the answer keys", file=sys.stderr)
         if result["code"] == 2:
             print(result["problems"][0])
         else:
@@ -711,11 +753,14 @@ def build_parser() -> argparse.ArgumentParser:
         new.add_argument("--fault", help="this fault instead of a hidden choice (for interviewers)")
         new.add_argument("--subsystem", choices=SUBSYSTEMS)
         new.add_argument("--difficulty", choices=("easy", "medium", "hard"))
+        new.add_argument("--candidate", help="the candidate's name, for history and the report")
+        new.add_argument("--max-answers", type=_positive_int, default=3, help="scored answers allowed (default 3)")
     practice_sub.choices["export"].add_argument("--archive", metavar="FILE.tar.gz")
     practice_sub.choices["export"].add_argument("--force", action="store_true", help="replace an existing archive")
     for name, text in (("hint", "the next staged hint"), ("check", "is the edited copy repaired? (exit 0/1/2)"),
                        ("reveal", "the diff, the explanation, the fix, the real bug"),
                        ("status", "time used and left, hints, answers, checks"),
+                       ("stop", "end the session: hints, answers and checks close"),
                        ("report", "the session's markdown report, for the interviewer")):
         p = practice_sub.add_parser(name, help=text)
         p.add_argument("dir")
@@ -725,12 +770,26 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("dir")
     start.add_argument("--minutes", type=_positive_float, required=True)
     practice_sub.add_parser("history", help="every exercise's attempts, times, hints and reveals")
+    validate = practice_sub.add_parser("validate", help="which faults show a symptom and are offered "
+                                                         "(results/practice_offer.md)")
+    validate.add_argument("--only", nargs="+", metavar="ID",
+                          help="these faults only, printed (the table is left as it is)")
+    validate.add_argument("--jobs", type=_at_most(MAX_JOBS), default=2, help="faults validated at once (default 2)")
     ans = practice_sub.add_parser("answer", help="grade a diagnosis")
     ans.add_argument("dir")
     ans.add_argument("--subsystem", required=True)
     ans.add_argument("--seam", help="the function: full (model.rope.apply_rope) or a unique short name")
-    rubric = practice_sub.add_parser("rubric", help="what a strong debugging answer covers for one fault")
-    rubric.add_argument("--fault", required=True)
+    for name, text in (("rubric", "what a strong debugging answer covers for one fault"),
+                       ("runsheet", "the interviewer's minute-by-minute sheet: hints, model answers, score bands")):
+        sheet = practice_sub.add_parser(name, help=text)
+        sheet.add_argument("dir", nargs="?", help="an exercise folder (its hidden fault's)")
+        sheet.add_argument("--fault", help="a fault id instead of a folder")
+    practice_sub.choices["runsheet"].add_argument("--minutes", type=_positive_int, default=45,
+                                                  help="the interview slot (default 45)")
+    score = practice_sub.add_parser("score", help="the interviewer's rubric scores, 1-4 per dimension")
+    score.add_argument("dir")
+    score.add_argument("scores", nargs="+", metavar="DIMENSION=N",
+                       help="reproduce= isolate= instrument= fix= prevent= example= (each 1-4)")
     for p in practice_sub.choices.values():
         p.add_argument("--plugin", action="append")
         p.add_argument("--keys", metavar="DIR", help="where answer keys live (default .cache/practice/)")

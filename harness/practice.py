@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import hashlib
 import json
 import os
 import random
@@ -36,12 +37,16 @@ from faultbench.harness.atomic import write_text
 from faultbench.harness.exercise_check import parse_log
 from faultbench.harness.exercise_docs import exercise_docstring
 from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
+from faultbench.harness.practice_log import folder_secret, intact, sealed
+from faultbench.harness.practice_offer import TABLE as OFFER_TABLE
+from faultbench.harness.practice_offer import offered
 from faultbench.harness.practice_runs import reference_cached, run_train, train_args
 from faultbench.model.seams import SEAMS, SUBSYSTEMS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 Clock = Callable[[], float]
+MAX_ANSWERS = 3  # scored answers per exercise unless ``new --max-answers`` says otherwise
 
 
 # ---- the answer key ---------------------------------------------------------------------------------
@@ -49,6 +54,13 @@ Clock = Callable[[], float]
 def keys_dir(keys=None) -> Path:
     """Where answer keys live: ``keys``, else $FAULTBENCH_PRACTICE_KEYS, else .cache/practice/ of the checkout."""
     return Path(keys or os.environ.get("FAULTBENCH_PRACTICE_KEYS", ROOT / ".cache" / "practice"))
+
+
+def key_folders(keys=None) -> list[Path]:
+    """Every folder that may hold answer keys (``keys``, $FAULTBENCH_PRACTICE_KEYS, the checkout's default):
+    what a candidate's code must never see."""
+    candidates = (keys, os.environ.get("FAULTBENCH_PRACTICE_KEYS"), ROOT / ".cache" / "practice")
+    return list(dict.fromkeys(Path(p).resolve() for p in candidates if p))
 
 
 def load_key(directory, keys=None) -> tuple[dict, Path]:
@@ -67,14 +79,22 @@ def load_key(directory, keys=None) -> tuple[dict, Path]:
     path = keys_dir(keys) / f"{token}.json"
     if not path.exists():
         raise ValueError(f"the answer key of {directory} is not on this machine ({path})")
-    return json.loads(path.read_text()), path
+    return unsealed(json.loads(path.read_text()), path.parent), path
+
+
+def unsealed(key: dict, folder: Path) -> dict:
+    """A key as read from ``folder``, marked ``altered`` for good when its seal does not hold
+    (``harness.practice_log``): the mark is sealed in with the next event, so it cannot be laundered."""
+    if not key.get("altered") and not intact(key, folder_secret(folder)):
+        key["altered"] = True
+    return key
 
 
 def record(key: dict, path: Path, kind: str, clock: Clock, **fields) -> dict:
-    """Append an event (``kind``, its time, ``fields``) to the key and save it; returns the event."""
+    """Append an event (``kind``, its time, ``fields``) to the key and save it sealed; returns the event."""
     event = {"kind": kind, "t": clock(), **fields}
     key["events"].append(event)
-    write_text(path, json.dumps(key))
+    write_text(path, json.dumps(sealed(key, folder_secret(path.parent))))
     return event
 
 
@@ -82,24 +102,52 @@ def revealed(key: dict) -> bool:
     return any(e["kind"] == "reveal" for e in key["events"])
 
 
+def started(key: dict) -> tuple[float, float | None]:
+    """When the session started (its ``start`` event, else the exercise's making) and its budget (None: none)."""
+    begun = next((e for e in key["events"] if e["kind"] == "start"), None)
+    return (begun["t"], begun["budget_s"]) if begun else (key["created"], None)
+
+
+def _late(key: dict, now: float) -> bool:
+    """Whether ``now`` is past the session's budget (never, without one)."""
+    t0, budget = started(key)
+    return budget is not None and now - t0 > budget
+
+
+def _open_session(directory, keys) -> tuple[dict, Path]:
+    """The key of an exercise whose session is still on (ValueError after ``stop``)."""
+    key, path = load_key(directory, keys)
+    if any(e["kind"] == "stop" for e in key["events"]):
+        raise ValueError(f"the session of {directory} was stopped: hints, answers and checks are closed "
+                         "(`report` and `reveal` still work)")
+    return key, path
+
+
 # ---- choosing and writing the exercise --------------------------------------------------------------
 
 def choose_fault(seed: int | None, fault: str | None, subsystem: str | None, level: str | None,
-                 results: Path = RESULTS) -> str:
-    """The hidden fault: ``fault`` itself, else a seeded choice among the reference's faults that match."""
+                 results: Path = RESULTS, secret: bytes = b"") -> str:
+    """The hidden fault: ``fault`` itself, else a seeded choice among the reference's faults that match, keyed by
+    the keys folder's ``secret`` (a seed alone does not tell a candidate which fault it draws). Only the faults
+    ``practice_offer`` marks offered (their run shows a symptom, the repair passes) are ever chosen."""
+    shown = offered(results)
     if fault:
         spec = get_fault(fault)
         if spec.target != "ref":  # its seams live in installed transformers, not in a copy we can hand over
             raise ValueError(f"{fault!r} is a fault of the {spec.target} target: its code lives in the installed "
                              "library and cannot be spliced into a standalone copy; practice uses ref faults")
+        if shown is not None and spec.id not in shown:
+            raise ValueError(f"{fault!r} is not offered: a candidate's run of it shows no symptom, or the repair "
+                             f"does not pass (results/{OFFER_TABLE} says which)")
         return spec.id
     if level is not None and level not in DIFFICULTIES:
         raise ValueError(f"difficulty must be one of {DIFFICULTIES}, got {level!r}")
     pool = sorted(f for f, spec in all_faults("ref").items()
-                  if subsystem in (None, spec.subsystem) and level in (None, difficulty(spec, results)))
+                  if subsystem in (None, spec.subsystem) and level in (None, difficulty(spec, results))
+                  and (shown is None or f in shown))
     if not pool:
         raise ValueError(f"no fault matches subsystem={subsystem!r} difficulty={level!r}")
-    return random.Random(seed).choice(pool)
+    return random.Random(f"{secret.hex()}:{seed}" if seed is not None else None).choice(pool)
 
 
 def set_docstring(source: str, qualname: str, doc: str | None) -> str:
@@ -150,9 +198,17 @@ def build_folder(directory, fault_id: str) -> Path:
 
 def uniform_mtimes(directory: Path, when: float) -> None:
     """Every file and folder under ``directory`` (itself included) modified at ``when``, after removing what
-    our runs left (bytecode, the tokenizer cache): the candidate's first run makes them again."""
+    our runs left (bytecode, the tokenizer cache; the candidate's first run makes them again) and rewriting every
+    file afresh in sorted order: the faulty file is not the last one written (its inode, its birth time)."""
     for cache in [*directory.rglob("__pycache__"), directory / ".cache"]:
         shutil.rmtree(cache, ignore_errors=True)
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    for path in files:  # new inodes in sorted order, while the old ones still hold theirs
+        staged = path.with_name(path.name + ".settle")
+        staged.write_bytes(path.read_bytes())
+        os.chmod(staged, path.stat().st_mode)
+    for path in files:
+        os.replace(path.with_name(path.name + ".settle"), path)
     for path in [*directory.rglob("*"), directory]:
         os.utime(path, (when, when))
 
@@ -178,9 +234,14 @@ def _excerpt(lines: list[str], keep: int = 14) -> str:
     return "\n".join(lines if len(lines) <= keep else lines[:4] + ["..."] + lines[-(keep - 5):])
 
 
+_WARNING = re.compile(r"^(?P<file>\S+\.py):\d+: (?P<what>\w*Warning: .*)\n(?:  .*\n)?", re.MULTILINE)
+
+
 def scrub_paths(log: str, directory: Path) -> str:
     """A log as the colleague's machine would print it: the folder as ``~/job``, installed packages under
-    ``.../site-packages`` (our paths would name this checkout)."""
+    ``.../site-packages`` (our paths would name this checkout); a warning keeps its file and message but not its
+    line number nor the source line Python prints under it (they would point at the changed code)."""
+    log = _WARNING.sub(lambda m: f"{m['file']}: {m['what']}\n", log)
     log = log.replace(str(directory.resolve()), "~/job")
     return re.sub(r"[^\s\"']*/(site|dist)-packages/", ".../site-packages/", log)
 
@@ -230,9 +291,13 @@ def _healthy(args: list[str]) -> tuple[str, int]:
 
 
 def new_exercise(directory, seed: int | None = None, fault: str | None = None, subsystem: str | None = None,
-                 level: str | None = None, keys=None, clock: Clock = time.time) -> Path:
-    """Write the exercise into ``directory`` (new or empty) and its answer key with the interviewer."""
-    fault_id = choose_fault(seed, fault, subsystem, level)
+                 level: str | None = None, keys=None, clock: Clock = time.time, candidate: str | None = None,
+                 max_answers: int = 3) -> Path:
+    """Write the exercise into ``directory`` (new or empty) and its answer key with the interviewer: the fault,
+    the candidate's name, the cap on scored answers, and the code as handed over (for the report's diff)."""
+    if max_answers < 1:
+        raise ValueError(f"--max-answers must be at least 1, got {max_answers}")
+    fault_id = choose_fault(seed, fault, subsystem, level, secret=folder_secret(keys_dir(keys)))
     spec = get_fault(fault_id)
     directory = build_folder(directory, fault_id)
     args = train_args(spec.manifest)
@@ -247,14 +312,46 @@ def new_exercise(directory, seed: int | None = None, fault: str | None = None, s
     level = difficulty(spec, RESULTS)
     write_text(directory / "README.md", readme(args, level, scrub_paths(log, directory), code, healthy))
     write_text(directory / "healthy_run.json", json.dumps({"args": args, **parse_log(healthy)}, indent=1) + "\n")
+    write_key(directory, keys, {"fault": fault_id, "seed": seed, "args": args, "difficulty": level,
+                                "candidate": candidate, "max_answers": max_answers}, clock())
+    return directory
+
+
+def write_key(directory: Path, keys, fields: dict, created: float) -> None:
+    """Hand ``directory`` over: its marker (a fresh token), one file time for all of it, and with the interviewer
+    the sealed key (``fields`` plus the folder, ``created`` and no events yet) and the code as handed over."""
     token = secrets.token_hex(8)
     write_text(directory / ".exercise", json.dumps({"token": token}) + "\n")
-    created = clock()
     uniform_mtimes(directory, int(created))
-    write_text(keys_dir(keys) / f"{token}.json", json.dumps({
-        "fault": fault_id, "seed": seed, "args": args, "difficulty": level, "folder": str(directory.resolve()),
-        "created": created, "events": []}))
-    return directory
+    handed = json.dumps(handed_sources(directory), sort_keys=True)
+    write_text(keys_dir(keys) / f"{token}.handed", handed)
+    write_text(keys_dir(keys) / f"{token}.json", json.dumps(sealed({
+        **fields, "folder": str(directory.resolve()), "created": created,
+        "handed_sha256": hashlib.sha256(handed.encode()).hexdigest(), "events": []}, folder_secret(keys_dir(keys)))))
+
+
+def handed_sources(directory: Path) -> dict[str, str]:
+    """The folder's Python sources by relative path: what the candidate may edit."""
+    return {str(p.relative_to(directory)): p.read_text() for p in sorted(directory.rglob("*.py"))
+            if "__pycache__" not in p.parts}
+
+
+def candidate_diff(directory, keys=None) -> str | None:
+    """The candidate's changes: a unified diff of the folder's sources against the code as handed over (None when
+    the handed copy is missing or does not match the sealed key's hash)."""
+    key, path = load_key(directory, keys)
+    handed_path = path.with_suffix(".handed")
+    if not handed_path.exists():
+        return None
+    text = handed_path.read_text()
+    if hashlib.sha256(text.encode()).hexdigest() != key.get("handed_sha256"):
+        return None
+    before, after = json.loads(text), handed_sources(Path(directory))
+    lines = []
+    for name in sorted(set(before) | set(after)):
+        lines += difflib.unified_diff(before.get(name, "").splitlines(), after.get(name, "").splitlines(),
+                                      f"handed/{name}", f"now/{name}", lineterm="")
+    return "\n".join(lines)
 
 
 def export_archive(directory, archive, keys=None) -> Path:
@@ -276,12 +373,12 @@ def export_archive(directory, archive, keys=None) -> Path:
 
 def hint(directory, keys=None, clock: Clock = time.time) -> str:
     """The next staged hint (with the earlier ones); after the third, a note that there are no more."""
-    key, path = load_key(directory, keys)
+    key, path = _open_session(directory, keys)
     stages = hints(get_fault(key["fault"]))
     given = sum(e["kind"] == "hint" for e in key["events"])
     if given >= len(stages):
         return NO_MORE_HINTS
-    record(key, path, "hint", clock, stage=given + 1)
+    record(key, path, "hint", clock, stage=given + 1, counted=not revealed(key))  # after the reveal: free
     return "\n".join(stages[: given + 1])
 
 
@@ -305,25 +402,36 @@ def resolve_seam(name: str) -> str:
 
 
 def answer(directory, subsystem: str, seam: str | None = None, keys=None, clock: Clock = time.time) -> dict:
-    """Grade a diagnosis: the subsystem (right, acceptable, wrong) and the function if given. Unknown names are
-    refused (ValueError) and not recorded; an answer after ``reveal`` is recorded but not scored."""
+    """Grade a diagnosis: the subsystem (right, acceptable, wrong) and the function if given. Unknown names and
+    answers past the exercise's cap (``max_answers``) are refused (ValueError) and not recorded; an answer after
+    ``reveal`` is recorded but not scored; one past the time budget is scored and marked late."""
     if subsystem not in SUBSYSTEMS:
         raise ValueError(f"unknown subsystem {subsystem!r}{_did_you_mean(subsystem, SUBSYSTEMS)} "
                          f"(one of {', '.join(SUBSYSTEMS)})")
     seam = None if seam is None else resolve_seam(seam)
-    key, path = load_key(directory, keys)
-    hints_used = sum(e["kind"] == "hint" for e in key["events"])
+    key, path = _open_session(directory, keys)
+    hints_used = sum(e["kind"] == "hint" and e.get("counted", True) for e in key["events"])
     if revealed(key):
         record(key, path, "answer", clock, subsystem=subsystem, seam=seam, scored=False)
-        return {"scored": False, "subsystem": None, "seam": None, "hints_used": hints_used}
+        return {"scored": False, "subsystem": None, "seam": None, "hints_used": hints_used, "late": False}
+    cap = key.get("max_answers", MAX_ANSWERS)
+    if sum(e["kind"] == "answer" and e["scored"] for e in key["events"]) >= cap:
+        raise ValueError(f"no answers left: all {cap} were used (`reveal` shows the fault; the report lists them)")
     spec = get_fault(key["fault"])
     sub = ("right" if subsystem == spec.subsystem else "acceptable" if subsystem in spec.also_acceptable
            else "wrong")
     verdict = {"scored": True, "subsystem": sub, "seam": None if seam is None else
                ("right" if seam in spec.seams else "wrong"), "hints_used": hints_used}
-    record(key, path, "answer", clock, subsystem=subsystem, seam=seam, verdict_subsystem=sub,
-           verdict_seam=verdict["seam"], scored=True)
-    return verdict
+    event = record(key, path, "answer", clock, subsystem=subsystem, seam=seam, verdict_subsystem=sub,
+                   verdict_seam=verdict["seam"], scored=True, late=_late(key, clock()))
+    return {**verdict, "late": event["late"], "left": cap - sum(e["kind"] == "answer" and e["scored"]
+                                                                for e in key["events"])}
+
+
+def stop(directory, keys=None, clock: Clock = time.time) -> dict:
+    """End the session: the clock stops; hints, answers and checks are refused from now on."""
+    key, path = _open_session(directory, keys)
+    return record(key, path, "stop", clock)
 
 
 def reveal(directory, keys=None, clock: Clock = time.time) -> str:
@@ -344,25 +452,28 @@ def check(directory, keys=None, clock: Clock = time.time, strict: bool = True) -
     """Is the copy repaired? The folder's own train.py, run as the colleague ran it, judged as its check.py
     judges (``harness.exercise_check.verdict``) but against the interviewer's healthy run (a candidate can
     edit check.py and healthy_run.json); if it behaves and ``strict``, the fault's scenario on the copy
-    against the reference (probe metrics the log does not show). {"code": 0 repaired | 1 not | 2 cannot
-    run, "problems": [...]}; never names the fault."""
+    against the reference (probe metrics the log does not show). The copy's code runs in ``harness.sandbox``
+    with every answer-key folder hidden. {"code": 0 repaired | 1 not | 2 cannot run, "problems": [...],
+    "isolated": whether the sandbox's namespaces held it}; never names the fault."""
     from faultbench.harness.exercise_check import unrunnable, verdict
-    from faultbench.harness.practice_runs import reference_outcome, repair_problems, scenario_outcome
+    from faultbench.harness.practice_runs import candidate_outcome, candidate_train, reference_outcome, repair_problems
 
-    key, path = load_key(directory, keys)
+    key, path = _open_session(directory, keys)
     folder = Path(directory).resolve()
-    why = unrunnable(folder)
+    hidden = key_folders(keys)
+    why, isolated = unrunnable(folder), True
     if why:
         code, problems = 2, [why]
     else:
-        log, exit_code = run_train(folder / "train.py", folder, key["args"], folder)
+        log, exit_code, isolated = candidate_train(folder, key["args"], hidden)
         code, problems = verdict(log, None if exit_code == -1 else exit_code, parse_log(_healthy(key["args"])[0]))
     if code == 0 and strict:
         manifest = get_fault(key["fault"]).manifest
         try:
-            problems = repair_problems(scenario_outcome(folder, manifest), reference_outcome(manifest), manifest)
+            problems = repair_problems(candidate_outcome(folder, manifest, hidden), reference_outcome(manifest),
+                                       manifest)
         except RuntimeError as exc:
             problems = [f"the copy does not run: {str(exc).strip().splitlines()[-1]}"]
         code = 1 if problems else 0
-    record(key, path, "check", clock, code=code)
-    return {"code": code, "problems": problems}
+    record(key, path, "check", clock, code=code, problems=problems[:5], isolated=isolated, late=_late(key, clock()))
+    return {"code": code, "problems": problems, "isolated": isolated}

@@ -3,7 +3,8 @@
 ``run_train`` runs a train.py on a given ``model/`` (a child forked from this warm process for one rank, a
 fresh interpreter for two); ``scenario_outcome`` runs a fault's manifest scenario on a copy's ``model/``
 (the interviewer's stricter check, with probe metrics the log does not show); the reference's side of
-each comparison is cached in .cache/practice-reference/ per config and source digest.
+each comparison is cached in .cache/practice-reference/ per config and source digest. What a candidate wrote
+runs only through ``candidate_train`` and ``candidate_outcome``: in ``harness.sandbox``, out of the grader's reach.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import traceback
 from pathlib import Path
 
 from faultbench.harness.atomic import read_cached_json, write_text
+from faultbench.harness.sandbox import run_sandboxed
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_TIMEOUT_S = 600.0  # a colleague's train.py run that takes longer hangs
+OUTCOME_LINE = "faultbench-outcome: "  # how ``python -m faultbench.harness.scenario`` prints its Outcome
 
 
 _FLAGS = {  # (config section, field) -> the train.py option that sets it
@@ -92,7 +95,17 @@ def run_train(script: Path, cwd: Path, args: list[str], pythonpath: Path) -> tup
         proc = _fresh_interpreter([str(script), *args], cwd, str(pythonpath), TRAIN_TIMEOUT_S)
         if proc is not None:
             return proc.stdout + proc.stderr, proc.returncode
-    return f"the run did not finish within {TRAIN_TIMEOUT_S:.0f} s (it hangs)\n", -1
+    return _HUNG, -1
+
+
+_HUNG = f"the run did not finish within {TRAIN_TIMEOUT_S:.0f} s (it hangs)\n"
+
+
+def candidate_train(folder: Path, args: list[str], hidden) -> tuple[str, int, bool]:
+    """The folder's own train.py (the candidate's code) run in the sandbox with ``hidden`` folders out of its
+    sight: its output, exit code (-1: it hung) and whether the sandbox isolated it (``harness.sandbox``)."""
+    ran = run_sandboxed([str(folder / "train.py"), *args], folder, hidden, str(folder), TRAIN_TIMEOUT_S)
+    return (_HUNG, -1, ran.isolated) if ran.code is None else (ran.output, ran.code, ran.isolated)
 
 
 def _fresh_project_modules(root: str) -> None:
@@ -193,9 +206,7 @@ def scenario_outcome(model_root: Path, manifest, timeout_s: float = 600.0) -> di
                                   model_root, f"{faultbench_with_model(model_root)}{os.pathsep}{model_root}", timeout_s)
         if proc is None:
             raise RuntimeError(f"the scenario did not finish within {timeout_s:.0f} s (it hangs)")
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr[-3000:])
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return outcome_of(proc.stdout + proc.stderr, proc.returncode)
     with tempfile.TemporaryDirectory(prefix="faultbench-scenario-") as tmp:
         out = Path(tmp) / "outcome.json"
         code = _forked(_scenario_in_fork, (str(Path(model_root).resolve()), args, str(out)), timeout_s)
@@ -207,6 +218,25 @@ def scenario_outcome(model_root: Path, manifest, timeout_s: float = 600.0) -> di
     if "error" in result:
         raise RuntimeError(result["error"])
     return result["outcome"]
+
+
+def outcome_of(output: str, code: int) -> dict:
+    """The Outcome dict a ``python -m faultbench.harness.scenario`` run printed (RuntimeError with the output's
+    tail when it failed)."""
+    lines = [line for line in output.splitlines() if line.startswith(OUTCOME_LINE)]
+    if code != 0 or not lines:
+        raise RuntimeError(output[-3000:] or f"exit code {code}")
+    return json.loads(lines[-1].removeprefix(OUTCOME_LINE))
+
+
+def candidate_outcome(folder: Path, manifest, hidden, timeout_s: float = 600.0) -> dict:
+    """``scenario_outcome`` of the folder's ``model/`` (the candidate's code), run in the sandbox."""
+    argv = ["-m", "faultbench.harness.scenario", manifest.scenario, str(manifest.steps), str(manifest.seeds[0]),
+            json.dumps(manifest.variant)]
+    ran = run_sandboxed(argv, folder, hidden, f"{faultbench_with_model(folder)}{os.pathsep}{folder}", timeout_s)
+    if ran.code is None:
+        raise RuntimeError(f"the scenario did not finish within {timeout_s:.0f} s (it hangs)")
+    return outcome_of(ran.output, ran.code)
 
 
 def reference_outcome(manifest) -> dict:

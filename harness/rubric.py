@@ -113,6 +113,7 @@ RED_FLAG_BY_TRIGGER = {
     "eval-only": "looks only at the training loss",
     "after-step": "looks only at the first step",
 }
+DIMENSIONS = ("reproduce", "isolate", "instrument", "fix", "prevent", "example")  # the sections, in order
 BANDS = ("1: missing or wrong", "2: attempted, not conclusive", "3: correct, with prompting",
          "4: correct, unprompted, and explained why")
 

@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     scenario, steps, seed, variant = (argv or sys.argv[1:])[:4]
     outcome = run_scenario(scenario, json.loads(variant), int(steps), int(seed))
-    print(json.dumps(outcome.to_dict(), default=str))
+    print("faultbench-outcome: " + json.dumps(outcome.to_dict(), default=str))  # practice_runs.OUTCOME_LINE
     return 0
 
 

@@ -13,7 +13,7 @@ from faultbench.harness.cli import main
 SUBCOMMANDS = ("train", "seams", "faults", "show", "run", "replay", "plugins", "detectors", "bench", "contracts",
                "mutate", "practice new", "practice export", "practice hint", "practice check", "practice reveal",
                "practice status", "practice report", "practice start", "practice history", "practice answer",
-               "practice rubric", "golden record")
+               "practice rubric", "practice stop", "practice score", "practice runsheet", "golden record")
 COUNTS = ("0", "-1", "abc", "1.5", "", "1e3", "99999999999999999999")
 BAD_IDS = ("label_permut", "LABEL_PERMUTE", "no_such_fault", "", "../etc/passwd")
 
@@ -62,8 +62,14 @@ SWEEP += [(["run", "--fault", "label_permute", "--plot", p], "--plot") for p in
 SWEEP += [(["train", "--save", s], "") for s in ("committed.txt", "")]
 SWEEP += [(["train", "--resume", r], "") for r in ("missing-checkpoint", "committed.txt")]
 SWEEP += [(["replay", r], "") for r in ("missing-bundle", "committed.txt", ".")]
-SWEEP += [(["practice", cmd, d], "") for cmd in ("hint", "check", "reveal", "status", "report")
+SWEEP += [(["practice", cmd, d], "") for cmd in ("hint", "check", "reveal", "status", "report", "stop", "rubric")
           for d in ("missing-exercise", "committed.txt", ".")]
+SWEEP += [(["practice", "score", "EX", *s], "") for s in (["reproduce=3"], ["reproduce=x"], ["fix"], ["=3"])]
+SWEEP += [(["practice", "new", "--dir", "EX", "--max-answers", c], "--max-answers") for c in ("0", "-1", "abc", "")]
+SWEEP += [(["practice", "rubric", "EX", "--fault", "label_permute"], "")]
+SWEEP += [(["practice", "runsheet", "--fault", i], "") for i in BAD_IDS]
+SWEEP += [(["practice", "runsheet", "--fault", "label_permute", "--minutes", c], "--minutes")
+          for c in ("0", "-1", "abc", "")]
 SWEEP += [(["practice", "answer", "missing-exercise", "--subsystem", "loss"], "")]
 SWEEP += [(["practice", "answer", "EX", "--subsystem", "nope"], "")]
 SWEEP += [(["practice", "new", "--dir", "EX", "--subsystem", "nope"], "")]

@@ -21,6 +21,7 @@ from faultbench.faults.registry import all_faults
 from faultbench.harness import practice
 from faultbench.harness.cli import main
 from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
+from faultbench.harness.practice_offer import repair
 
 FAULTS = all_faults("ref")
 RESULTS = practice.RESULTS
@@ -32,7 +33,6 @@ ROUND_TRIPS = {
     "divergence": "optimizer_state_not_restored",  # a resume: the extra uninterrupted curve too
     "eval-metric": "loss_sum_reduction",
     "quality": "missing_unscale_before_clip",  # fp16 and hard: its README must not show the scaled norm
-    "performance": "loss_history_keeps_graph",  # the log is healthy: only the interviewer's check sees it
     "desync": "no_sync_on_last_micro_batch",  # two gloo ranks
 }
 
@@ -42,16 +42,6 @@ def folder_check(folder: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([sys.executable, "-I", "check.py"], cwd=folder, env=env, capture_output=True, text=True,
                           timeout=900)
-
-
-def splice_back_the_clean_seams(folder: Path, spec) -> None:
-    """What a candidate's fix amounts to: each replaced function's clean definition back in the copy."""
-    from faultbench.faults.inject import seam_function_source, splice_module
-
-    for seam in spec.seams:
-        _, module, qualname = seam.split(".", 2)
-        path = folder / "model" / f"{module}.py"
-        path.write_text(splice_module(path.read_text(), {qualname: seam_function_source(seam)}))
 
 
 @pytest.mark.parametrize("symptom", sorted(ROUND_TRIPS))
@@ -70,17 +60,11 @@ def test_round_trip_per_symptom_class(tmp_path, symptom):
         assert "grad_norm" not in readme and "scale" not in readme
 
     broken = folder_check(ex)
-    if symptom == "performance":  # its log is the healthy one: the folder passes, the interviewer's check does not
-        assert broken.returncode == 0, broken.stdout
-        assert practice.check(ex, keys=tmp_path / "keys")["code"] == 1
-    else:
-        assert broken.returncode == 1 and broken.stdout.startswith("FAIL"), broken.stdout + broken.stderr
+    assert broken.returncode == 1 and broken.stdout.startswith("FAIL"), broken.stdout + broken.stderr
 
-    splice_back_the_clean_seams(ex, spec)
-    # the interviewer's scenario comparison only where the folder's check cannot see the symptom (it costs a
-    # run; test_check_uses_the_folders_own_train_py covers it too)
-    strict = symptom == "performance"
-    assert practice.check(ex, keys=tmp_path / "keys", strict=strict) == {"code": 0, "problems": []}
+    repair(ex, spec)
+    # the interviewer's stricter scenario comparison costs a run: test_check_uses_the_folders_own_train_py has it
+    assert practice.check(ex, keys=tmp_path / "keys", strict=False) == {"code": 0, "problems": [], "isolated": True}
 
 
 # ---- grading -----------------------------------------------------------------------------------------
@@ -158,7 +142,7 @@ def test_answer_accepts_a_unique_short_name(ex):
     assert practice.resolve_seam("apply_rope") == "model.rope.apply_rope"
     assert practice.resolve_seam("KVCache.update") == "model.gpt.KVCache.update"
     assert practice.answer(folder, "loss", "lm_loss", keys=keys) == {
-        "scored": True, "subsystem": "right", "seam": "right", "hints_used": 0}
+        "scored": True, "subsystem": "right", "seam": "right", "hints_used": 0, "late": False, "left": 2}
     wrong = next(s for s in SUBSYSTEMS if s not in ("loss", *FAULTS["ignore_index_mismatch"].also_acceptable))
     assert practice.answer(folder, wrong, "apply_rope", keys=keys)["subsystem"] == "wrong"
     assert [e["verdict_seam"] for e in _events(folder, keys)] == ["right", "wrong"]
@@ -179,7 +163,7 @@ def test_cli_answer_typo_is_one_line_and_check_exit_code(ex, capsys):
     assert len(err.strip().splitlines()) == 1 and "did you mean 'mask'" in err
     assert main(["practice", "answer", str(folder), "--subsystem", "loss", "--seam", "lm_loss", "--keys",
                  str(keys)]) == 0
-    assert "subsystem: right; function: right" in capsys.readouterr().out
+    assert "subsystem: right; function: right (hints used: 0; answers left: 2)" in capsys.readouterr().out
 
 
 # ---- hints and difficulty ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 
 from faultbench.faults.registry import all_faults
 from faultbench.harness.exercise_docs import AUTHOR_DOCS, STALE_DOCSTRING
-from faultbench.harness.practice import build_folder, choose_fault, uniform_mtimes
+from faultbench.harness.practice import build_folder, choose_fault, scrub_paths, uniform_mtimes
 
 FAULTS = all_faults("ref")
 WHEN = 1_700_000_000  # any fixed time
@@ -113,3 +113,29 @@ def test_hf_faults_are_refused_with_the_reason(monkeypatch):
     with pytest.raises(ValueError, match="cannot be spliced into a standalone copy"):
         choose_fault(None, "hf_label_permute", None, None)
     assert all(FAULTS[choose_fault(seed, None, None, None)].target == "ref" for seed in range(10))
+
+
+def test_every_file_is_written_afresh_in_one_order(tmp_path):
+    """The faulty file of an exercise is written last (the splice); settling rewrites every file in sorted order
+    as a new inode (same bytes, same mode), so neither inode nor birth order singles it out."""
+    for name in ("z.py", "a.py", "m/b.py"):  # made out of order, the way a splice leaves them
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(name)
+    (tmp_path / "a.py").chmod(0o755)
+    before = {p: p.stat().st_ino for p in tmp_path.rglob("*.py")}
+    uniform_mtimes(tmp_path, WHEN)
+    after = {p: p.stat() for p in tmp_path.rglob("*.py")}
+    assert set(after) == set(before) and all(after[p].st_ino != before[p] for p in before)
+    assert [p.read_text() for p in sorted(after)] == ["a.py", "m/b.py", "z.py"]
+    assert after[tmp_path / "a.py"].st_mode & 0o777 == 0o755 and not list(tmp_path.rglob("*.settle"))
+
+
+def test_warnings_in_a_log_lose_their_line_and_source(tmp_path):
+    """A library warning printed under the colleague's run names the changed line and shows its source: the
+    README keeps the file and the message only; tracebacks keep their lines (a crash's report names them)."""
+    log = (f"{tmp_path}/model/train.py:78: UserWarning: Detected call of `lr_scheduler.step()` before "
+           "`optimizer.step()`.\n  scheduler.step()\nstep    0  loss 5.0\n"
+           f'  File "{tmp_path}/model/loss.py", line 12, in lm_loss\n')
+    assert scrub_paths(log, tmp_path) == (
+        "~/job/model/train.py: UserWarning: Detected call of `lr_scheduler.step()` before `optimizer.step()`.\n"
+        'step    0  loss 5.0\n  File "~/job/model/loss.py", line 12, in lm_loss\n')

@@ -8,13 +8,24 @@ import pytest
 
 from faultbench.faults.registry import all_faults
 from faultbench.harness.cli import main
-from faultbench.harness.practice_level import difficulty
-from faultbench.harness.rubric import RED_FLAG_BY_TRIGGER, SUBSYSTEM_CHECKS, TIME_BUDGET_MIN, follow_ups, rubric
+from faultbench.harness.practice_level import difficulty, hints
+from faultbench.harness.rubric import (
+    DIMENSIONS,
+    RED_FLAG_BY_TRIGGER,
+    SUBSYSTEM_CHECKS,
+    TIME_BUDGET_MIN,
+    follow_ups,
+    rubric,
+)
+from faultbench.harness.runsheet import CLOSE_MIN, follow_up_answers, runsheet
 
 FAULTS = all_faults("ref")
 SECTIONS = ("## 1. Reproduce with seed control", "## 2. Isolate by subsystem", "## 3. Instrument", "## 4. Fix",
             "## 5. Prevent with a regression test", "## 6. Minimal reproducible example", "## Follow-up questions",
             "## Red flags", "## Time budget", "## The real bug it models")
+RUNSHEET_SECTIONS = ("## What to say at the start", "## Minute plan", "## Hints, word for word",
+                     "## Follow-up questions and model answers", "## Scoring: what each band looks like",
+                     "## Red flags", "## Closing")
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +80,38 @@ def test_rubric_without_results_still_has_the_answer(tmp_path):
 def test_rubric_cli_suggests_a_close_fault_id(capsys):
     assert main(["practice", "rubric", "--fault", "label_permut"]) == 2
     assert "did you mean 'label_permute'" in capsys.readouterr().err
+
+
+# ---- the run-sheet -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fault_id", sorted(FAULTS))
+def test_runsheet_runs_the_slot_from_one_page(fault_id, results):
+    """A 45-minute interview from the sheet alone: the opening words, a minute plan that fits the slot, each hint
+    word for word, a model answer under every follow-up question, anchored bands on all six dimensions, the
+    close; in plain words (none of the machinery's)."""
+    spec = FAULTS[fault_id]
+    text = runsheet(fault_id, 45, "Ada", results=results)
+    where = [text.find(s) for s in RUNSHEET_SECTIONS]
+    assert -1 not in where and where == sorted(where), "sections missing or out of order"
+    plan = [int(line.split("|")[1]) for line in text.split("## Minute plan")[1].split("## Hints")[0].splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert plan[0] == 0 and plan == sorted(set(plan)) and plan[-1] <= 45 - CLOSE_MIN
+    assert all(h.split(": ", 1)[-1][1:] in text for h in hints(spec))
+    pairs = follow_up_answers(spec)
+    assert [q for q, _ in pairs] == follow_ups(spec) and all(f"**{q}**\n\n{a}\n" in text for q, a in pairs)
+    bands = [line for line in text.splitlines() if line.startswith("| ") and line.split("|")[1].strip() in DIMENSIONS]
+    assert [b.split("|")[1].strip() for b in bands] == list(DIMENSIONS) and all(b.count("|") == 6 for b in bands)
+    assert spec.fix in text and "with Ada" in text
+    plain = text.replace(spec.explanation, "").replace(spec.fix, "").lower()  # the sheet's own words, that is
+    plain = plain.replace("check.py --seams", "")  # the folder's own option, named in hint 2
+    for jargon in ("seam", "manifest", "detector", "fault id", "registry"):
+        assert jargon not in plain, jargon
+
+
+def test_runsheet_refuses_a_slot_too_short_and_scales_the_plan(results, capsys):
+    with pytest.raises(ValueError, match="at least 24 minutes"):
+        runsheet("missing_zero_grad", 20, results=results)
+    short, long = (runsheet("missing_zero_grad", m, results=results) for m in (30, 90))
+    assert "| 19 | Stop debugging" in short and "| 19 | Stop debugging" not in long
+    assert main(["practice", "runsheet", "--fault", "missing_zero_grad", "--minutes", "10"]) == 2
+    assert "at least 24 minutes" in capsys.readouterr().err
