@@ -18,7 +18,7 @@ import pytest
 
 from faultbench.detectors.api import SUBSYSTEMS
 from faultbench.faults.registry import all_faults
-from faultbench.harness import practice
+from faultbench.harness import practice, sandbox
 from faultbench.harness.cli import main
 from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
 from faultbench.harness.practice_offer import repair
@@ -64,7 +64,9 @@ def test_round_trip_per_symptom_class(tmp_path, symptom):
 
     repair(ex, spec)
     # the interviewer's stricter scenario comparison costs a run: test_check_uses_the_folders_own_train_py has it
-    assert practice.check(ex, keys=tmp_path / "keys", strict=False) == {"code": 0, "problems": [], "isolated": True}
+    isolated = sandbox.unavailable() is None  # namespaces where the machine allows them (test_practice_sandbox.py)
+    assert practice.check(ex, keys=tmp_path / "keys", strict=False) == {"code": 0, "problems": [],
+                                                                        "isolated": isolated}
 
 
 # ---- grading -----------------------------------------------------------------------------------------
