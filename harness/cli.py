@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import torch
@@ -546,14 +547,32 @@ def _practice(args) -> int:
         print(f"session started: {args.minutes:g} minutes")
     elif cmd == "status":
         print(practice_session.status(args.dir, keys))
-    elif cmd == "validate":
-        from faultbench.harness import practice_offer
+    elif cmd == "export-tasks":
+        from faultbench.harness.agent_tasks import export_tasks
 
-        rows = practice_offer.validate(args.only, args.jobs)
+        index = export_tasks(args.dir, args.tasks, args.seed if args.seed is not None else 0)
+        print(f"{len(index)} tasks written to {args.dir}/tasks (answer keys in {args.dir}/grader: keep them from "
+              "the agent)")
+    elif cmd == "run-agent":
+        from faultbench.harness.agent_tasks import run_agent, summary
+
+        passed = {}
+        for name in args.pass_env or ():
+            if name not in os.environ:
+                raise ValueError(f"--pass-env {name}: not set in this environment")
+            passed[name] = os.environ[name]
+        s = summary(run_agent(args.dir, args.command, args.name, passed, args.only))
+        print(f"{args.name}: subsystem {s['subsystem']:.2f}, function {s['function']:.2f}, repaired "
+              f"{s['repaired']:.2f} over {s['tasks']} tasks: {args.dir}/runs/{args.name}/results.md")
+    elif cmd == "validate":
+        from faultbench.harness import offer_table
+        from faultbench.harness.practice_offer import validate
+
+        rows = validate(args.only, args.jobs)
         if args.only:  # a partial table never replaces the committed one
-            print(practice_offer.table(rows), end="")
+            print(offer_table.table(rows), end="")
         else:
-            print(f"{sum(r['offered'] for r in rows)} of {len(rows)} faults offered: {practice_offer.write(rows)}")
+            print(f"{sum(r['offered'] for r in rows)} of {len(rows)} faults offered: {offer_table.write(rows)}")
     elif cmd == "stop":
         practice.stop(args.dir, keys)
         print("session stopped: hints, answers and checks are closed; `report` and `reveal` still work")
@@ -770,6 +789,17 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("dir")
     start.add_argument("--minutes", type=_positive_float, required=True)
     practice_sub.add_parser("history", help="every exercise's attempts, times, hints and reveals")
+    tasks = practice_sub.add_parser("export-tasks", help="exercises as tasks for a coding agent, with a hidden grader")
+    tasks.add_argument("dir")
+    tasks.add_argument("--tasks", type=_at_most(100), required=True, help="how many (distinct faults)")
+    tasks.add_argument("--seed", type=_seed, help="which faults (default 0)")
+    agent = practice_sub.add_parser("run-agent", help="run an agent command on exported tasks and grade it")
+    agent.add_argument("dir")
+    agent.add_argument("--command", required=True, help="a shell command run in each task's folder ({python}: this "
+                                                        "interpreter)")
+    agent.add_argument("--name", required=True, help="the agent's name (results under DIR/runs/NAME)")
+    agent.add_argument("--pass-env", action="append", metavar="VAR", help="an environment variable the agent needs")
+    agent.add_argument("--only", nargs="+", metavar="TASK", help="these tasks only")
     validate = practice_sub.add_parser("validate", help="which faults show a symptom and are offered "
                                                          "(results/practice_offer.md)")
     validate.add_argument("--only", nargs="+", metavar="ID",

@@ -93,7 +93,7 @@ def run_training(rank: int, args) -> None:
             generation_check(run)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
@@ -110,7 +110,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--resume-at", type=int, default=0)
     parser.add_argument("--generate", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     if args.world_size == 1:
         run_training(0, args)

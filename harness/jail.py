@@ -5,7 +5,8 @@ Run by ``unshare --user --map-root-user --mount --pid --fork --mount-proc`` as t
 process, with root's rights over that namespace only. It reads its instructions as JSON from stdin (never from
 its command line or environment, which the program it becomes could read back), then:
 
-1. hides each ``hidden`` folder under an empty tmpfs (the answer keys and their event log);
+1. hides each ``hidden`` folder under an empty tmpfs (the answer keys and their event log) and each hidden file
+   under an empty one (``/dev/null`` bound over it);
 2. makes every mount read-only, recursively (the checkout, its caches, the interpreter's site-packages);
 3. binds each ``writable`` folder back read-write (the exercise folder, a private temporary folder) and gives the
    namespace a private ``/dev/shm`` (ranks share tensors through it);
@@ -61,6 +62,8 @@ def main() -> None:
     for path in spec["hidden"]:
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=16k,mode=000")
+        elif os.path.isfile(path):
+            mount(os.devnull, path, None, MS_BIND)
     set_readonly("/", True)
     for path in spec["writable"]:
         mount(path, path, None, MS_BIND | MS_REC)

@@ -36,10 +36,10 @@ from faultbench.faults.registry import all_faults, get_fault
 from faultbench.harness.atomic import write_text
 from faultbench.harness.exercise_check import parse_log
 from faultbench.harness.exercise_docs import exercise_docstring
+from faultbench.harness.offer_table import TABLE as OFFER_TABLE
+from faultbench.harness.offer_table import offered
 from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
 from faultbench.harness.practice_log import folder_secret, intact, sealed
-from faultbench.harness.practice_offer import TABLE as OFFER_TABLE
-from faultbench.harness.practice_offer import offered
 from faultbench.harness.practice_runs import reference_cached, run_train, train_args
 from faultbench.model.seams import SEAMS, SUBSYSTEMS
 
@@ -417,15 +417,18 @@ def answer(directory, subsystem: str, seam: str | None = None, keys=None, clock:
     cap = key.get("max_answers", MAX_ANSWERS)
     if sum(e["kind"] == "answer" and e["scored"] for e in key["events"]) >= cap:
         raise ValueError(f"no answers left: all {cap} were used (`reveal` shows the fault; the report lists them)")
-    spec = get_fault(key["fault"])
-    sub = ("right" if subsystem == spec.subsystem else "acceptable" if subsystem in spec.also_acceptable
-           else "wrong")
-    verdict = {"scored": True, "subsystem": sub, "seam": None if seam is None else
-               ("right" if seam in spec.seams else "wrong"), "hints_used": hints_used}
-    event = record(key, path, "answer", clock, subsystem=subsystem, seam=seam, verdict_subsystem=sub,
+    verdict = {"scored": True, **grade(get_fault(key["fault"]), subsystem, seam), "hints_used": hints_used}
+    event = record(key, path, "answer", clock, subsystem=subsystem, seam=seam, verdict_subsystem=verdict["subsystem"],
                    verdict_seam=verdict["seam"], scored=True, late=_late(key, clock()))
     return {**verdict, "late": event["late"], "left": cap - sum(e["kind"] == "answer" and e["scored"]
                                                                 for e in key["events"])}
+
+
+def grade(spec, subsystem: str, seam: str | None) -> dict:
+    """A diagnosis of ``spec``: the subsystem right, acceptable or wrong; the function (a full seam name) right or
+    wrong, None when not given."""
+    sub = "right" if subsystem == spec.subsystem else "acceptable" if subsystem in spec.also_acceptable else "wrong"
+    return {"subsystem": sub, "seam": None if seam is None else ("right" if seam in spec.seams else "wrong")}
 
 
 def stop(directory, keys=None, clock: Clock = time.time) -> dict:

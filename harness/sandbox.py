@@ -54,12 +54,12 @@ def scrubbed_env(private: str, pythonpath: str | None) -> dict[str, str]:
 
 
 def _launch(argv: list[str], cwd: Path, hidden: list[Path], pythonpath: str | None, timeout_s: float,
-            isolate: bool) -> Sandboxed:
+            isolate: bool, program: list[str] | None = None, passed: dict[str, str] | None = None) -> Sandboxed:
     with tempfile.TemporaryDirectory(prefix="faultbench-sandbox-") as private, tempfile.TemporaryFile() as out:
-        env = scrubbed_env(private, pythonpath)
-        program = [sys.executable, "-s", *argv]
+        env = {**scrubbed_env(private, pythonpath), **(passed or {})}
+        program = program or [sys.executable, "-s", *argv]
         if isolate:
-            spec = {"hidden": [str(p) for p in hidden if p.is_dir()], "writable": [str(cwd), private],
+            spec = {"hidden": [str(p) for p in hidden if p.exists()], "writable": [str(cwd), private],
                     "cwd": str(cwd), "argv": program, "env": env}
             command, stdin = [*NAMESPACES, sys.executable, "-I", str(JAIL)], json.dumps(spec).encode()
         else:
@@ -103,10 +103,24 @@ def run_sandboxed(argv: list[str], cwd, hidden=(), pythonpath: str | None = None
     """``python -s argv`` in ``cwd`` (the only folder it may write, with a private temporary one), ``hidden``
     folders out of its sight, ``pythonpath`` its only ``PYTHONPATH``; isolated where ``unavailable()`` is None.
     ValueError when ``cwd`` lies inside a hidden folder (hiding the keys would hide the program)."""
+    cwd, hidden = _folders(cwd, hidden)
+    return _launch(argv, cwd, hidden, pythonpath, timeout_s, isolate=unavailable() is None)
+
+
+def _folders(cwd, hidden) -> tuple[Path, list[Path]]:
     cwd = Path(cwd).resolve()
     hidden = [Path(h).resolve() for h in hidden]
     for folder in hidden:
         if cwd == folder or folder in cwd.parents:
             raise ValueError(f"{cwd} lies inside {folder}, which the sandbox hides (the answer keys): keep "
                              "exercises and keys in separate folders")
-    return _launch(argv, cwd, hidden, pythonpath, timeout_s, isolate=unavailable() is None)
+    return cwd, hidden
+
+
+def run_command_sandboxed(command: str, cwd, hidden=(), timeout_s: float = 600.0,
+                          passed: dict[str, str] | None = None) -> Sandboxed:
+    """A shell ``command`` (an agent's) as ``run_sandboxed`` runs Python, with ``passed`` added to its scrubbed
+    environment (what the agent needs, e.g. its API key; never the grader's)."""
+    cwd, hidden = _folders(cwd, hidden)
+    return _launch([], cwd, hidden, None, timeout_s, isolate=unavailable() is None, program=["/bin/sh", "-c", command],
+                   passed=passed)

@@ -13,7 +13,8 @@ from faultbench.harness.cli import main
 SUBCOMMANDS = ("train", "seams", "faults", "show", "run", "replay", "plugins", "detectors", "bench", "contracts",
                "mutate", "practice new", "practice export", "practice hint", "practice check", "practice reveal",
                "practice status", "practice report", "practice start", "practice history", "practice answer",
-               "practice rubric", "practice stop", "practice score", "practice runsheet", "golden record")
+               "practice rubric", "practice stop", "practice score", "practice runsheet", "practice validate",
+               "practice export-tasks", "practice run-agent", "golden record")
 COUNTS = ("0", "-1", "abc", "1.5", "", "1e3", "99999999999999999999")
 BAD_IDS = ("label_permut", "LABEL_PERMUTE", "no_such_fault", "", "../etc/passwd")
 
@@ -68,6 +69,10 @@ SWEEP += [(["practice", "score", "EX", *s], "") for s in (["reproduce=3"], ["rep
 SWEEP += [(["practice", "new", "--dir", "EX", "--max-answers", c], "--max-answers") for c in ("0", "-1", "abc", "")]
 SWEEP += [(["practice", "rubric", "EX", "--fault", "label_permute"], "")]
 SWEEP += [(["practice", "runsheet", "--fault", i], "") for i in BAD_IDS]
+SWEEP += [(["practice", "validate", "--only", i], "") for i in (*BAD_IDS, "hf_label_permute")]
+SWEEP += [(["practice", "export-tasks", "EX", "--tasks", c], "--tasks") for c in ("0", "-1", "abc", "", "101")]
+SWEEP += [(["practice", "export-tasks", ".", "--tasks", "1"], "not empty")]
+SWEEP += [(["practice", "run-agent", d, "--command", "true", "--name", "x"], "") for d in ("missing", "committed.txt")]
 SWEEP += [(["practice", "runsheet", "--fault", "label_permute", "--minutes", c], "--minutes")
           for c in ("0", "-1", "abc", "")]
 SWEEP += [(["practice", "answer", "missing-exercise", "--subsystem", "loss"], "")]

@@ -8,25 +8,25 @@ from; two rows are reproduced live; ``new`` draws only offered faults and refuse
 import pytest
 
 from faultbench.faults.registry import all_faults
-from faultbench.harness import practice, practice_offer
+from faultbench.harness import offer_table, practice, practice_offer
 from faultbench.harness.practice_level import hints, symptom_class
 
 FAULTS = all_faults("ref")
 
 
 def committed() -> dict[str, dict]:
-    return practice_offer.read_table()
+    return offer_table.read_table()
 
 
 def test_the_table_covers_every_reference_fault_and_offers_exactly_the_honest_ones():
     rows = committed()
-    text = (practice_offer.RESULTS / practice_offer.TABLE).read_text()
+    text = (offer_table.RESULTS / offer_table.TABLE).read_text()
     assert set(rows) == set(FAULTS) and all(text.count(f"| {f} |") == 1 for f in FAULTS)
     for fault_id, row in rows.items():
         honest = row["the run shows"] in ("crash", "nan", "differs") and row["repair passes"] == "yes"
         assert (row["offered"] == "yes") == honest, row
         assert row["symptom label"] == symptom_class(FAULTS[fault_id])
-    assert practice_offer.offered() == {f for f, r in rows.items() if r["offered"] == "yes"}
+    assert offer_table.offered() == {f for f, r in rows.items() if r["offered"] == "yes"}
 
 
 def test_every_offered_fault_shows_what_its_first_hint_says():
@@ -43,11 +43,11 @@ def test_a_row_is_reproduced_live(fault_id):
     """A crash that is offered and a precision bug whose fp32 run looks healthy (not offered), run again."""
     live, row = practice_offer.validate_fault(fault_id), committed()[fault_id]
     columns = ("the run shows", "label matches", "repair passes", "offered")
-    assert {c: practice_offer.cell(live[c]) for c in columns} == {c: row[c] for c in columns}
+    assert {c: offer_table.cell(live[c]) for c in columns} == {c: row[c] for c in columns}
 
 
 def test_new_draws_only_offered_faults(tmp_path):
-    (tmp_path / practice_offer.TABLE).write_text(practice_offer.table([
+    (tmp_path / offer_table.TABLE).write_text(offer_table.table([
         {"fault": f, "symptom label": "crash", "the run shows": "crash", "label matches": True,
          "repair passes": True, "offered": f != "label_permute", "why not": ""}
         for f in ("ignore_index_mismatch", "label_permute", "pad_id_mismatch")]))
