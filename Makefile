@@ -17,7 +17,7 @@ $(VENV)/.torch:
 
 $(VENV)/.installed: $(VENV)/.torch pyproject.toml
 	echo "$(TORCH)" > $(VENV)/constraints.txt
-	$(PIP) install --quiet -c $(VENV)/constraints.txt -e '.[dev]'
+	$(PIP) install --quiet -c $(VENV)/constraints.txt -e '.[bench,dev]'
 	touch $@
 
 # Bytecode caching on, whatever the shell says: the suite starts ~150 fresh interpreters (CLI runs, practice copies,
@@ -75,7 +75,7 @@ $(PEERS)/.installed: pyproject.toml
 	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
 	echo "$(TORCH)" > $(PEERS)/constraints.txt
 	$(PEERS)/bin/python -m pip install --quiet $(TORCH)
-	$(PEERS)/bin/python -m pip install --quiet -c $(PEERS)/constraints.txt -e '.[dev]' traincheck==0.2.0
+	$(PEERS)/bin/python -m pip install --quiet -c $(PEERS)/constraints.txt -e '.[bench,dev]' traincheck==0.2.0
 	$(PEERS)/bin/python -m pip install --quiet --no-deps torcheck==1.0.1
 	touch $@
 
@@ -83,7 +83,7 @@ $(SMDEBUG)/.installed: pyproject.toml
 	test -x $(SMDEBUG)/bin/python || $(PYTHON) -m venv $(SMDEBUG)
 	printf '$(TORCH)\nnumpy<2\n' > $(SMDEBUG)/constraints.txt
 	$(SMDEBUG)/bin/python -m pip install --quiet -c $(SMDEBUG)/constraints.txt $(TORCH) 'numpy<2'
-	$(SMDEBUG)/bin/python -m pip install --quiet -c $(SMDEBUG)/constraints.txt -e '.[dev]' smdebug==1.0.34 requests psutil
+	$(SMDEBUG)/bin/python -m pip install --quiet -c $(SMDEBUG)/constraints.txt -e '.[bench,dev]' smdebug==1.0.34 requests psutil
 	touch $@
 
 # Our suite and the peers on the same cases and seeds; writes results/peers/<tool>/ and results/peers.md.

@@ -14,6 +14,12 @@ Names load lazily: importing faultbench costs nothing until one is used.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+
+try:
+    __version__ = importlib.metadata.version("faultbench")
+except importlib.metadata.PackageNotFoundError:  # a checkout on the path, not installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {"watch": "faultbench.watch", "Watch": "faultbench.watch", "record_golden": "faultbench.watch",
             "load_golden": "faultbench.watch", "Finding": "faultbench.detectors.api", "guard": "faultbench.guard"}
