@@ -6,7 +6,9 @@ the whole session in every process (xdist workers parse the same options), so a 
 score is simply: which faults make it fail. ``--fault-plugin`` loads a plugin's faults before collection,
 so the tests parametrized over the registry (``tests/faults/test_manifest.py``'s proofs,
 ``tests/faults/test_registry.py``) cover them too: ``pytest tests/faults/test_manifest.py --fault-plugin
-my_faults.py -k my_fault`` proves a plugin fault. Loaded by ``-p harness.pytest_plugin`` (pyproject addopts).
+my_faults.py -k my_fault`` proves a plugin fault. Loaded through faultbench's ``pytest11`` entry point in any
+project that installs faultbench; without either option it imports nothing of faultbench (a user's suite pays
+nothing for it).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     """Load the ``--fault-plugin`` plugins before collection (so tests parametrized over the registry, the
     manifest proofs among them, cover their faults too), then inject the ``--inject-fault`` faults."""
-    from faultbench.faults.registry import FaultError, get_fault, load_plugin
-
     plugins = config.getoption("fault_plugin")
     ids = config.getoption("inject_fault")
+    if not plugins and not ids:
+        return
+    from faultbench.faults.registry import FaultError, get_fault, load_plugin
+
     try:
         for plugin in plugins:
             load_plugin(plugin)

@@ -1,6 +1,7 @@
 """The fault-facing command line, plugins, and the pytest --inject-fault option."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -97,6 +98,33 @@ def test_pytest_inject_fault_option_breaks_the_unit_tests():
     unknown = subprocess.run([*args, "--inject-fault", "label_shift"], capture_output=True, text=True, cwd=ROOT,
                              timeout=300)
     assert unknown.returncode == 4 and "did you mean" in unknown.stderr and "'label_shift_off_by_one'" in unknown.stderr
+
+
+THROWAWAY_TEST = """
+import math
+
+import torch
+
+from faultbench.model.loss import lm_loss
+
+
+def test_uniform_logits_cost_log_vocab_per_target():
+    logits, labels = torch.zeros(2, 5, 8), torch.randint(0, 8, (2, 5))
+    assert math.isclose(float(lm_loss(logits, labels)), math.log(8), rel_tol=1e-5)
+"""
+
+
+def test_any_project_that_installs_faultbench_gets_the_fault_options(tmp_path):
+    """A project of its own (no faultbench conftest, no addopts): the pytest11 entry point brings --inject-fault;
+    its test of the reference's loss passes clean and fails with the loss summed instead of averaged."""
+    (tmp_path / "test_mine.py").write_text(THROWAWAY_TEST)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "test_mine.py"]
+    clean = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    faulty = subprocess.run([*args, "--inject-fault", "loss_sum_reduction"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert faulty.returncode == 1 and "1 failed" in faulty.stdout
 
 
 @pytest.mark.parametrize("argv", [["run", "--fault", "nope_not_a_fault", "--steps", "2"]])

@@ -8,6 +8,7 @@ transformers, tokenizers nor matplotlib imported.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,8 +26,11 @@ pytestmark = pytest.mark.xdist_group("wheel")  # one worker builds it once
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    left = not (ROOT / "build").exists()  # setuptools builds in the tree: what it leaves is removed after
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w",
                     str(out), str(ROOT)], check=True, capture_output=True, timeout=600)
+    if left:
+        shutil.rmtree(ROOT / "build", ignore_errors=True)
     return next(out.glob("faultbench-*.whl"))
 
 
