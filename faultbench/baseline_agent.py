@@ -25,7 +25,7 @@ def diagnose(folder: Path) -> dict:
     sys.path.insert(0, str(folder))
     exercise = runpy.run_path(str(folder / "train.py"), run_name="exercise")
     args = exercise["parse_args"](json.loads((folder / "healthy_run.json").read_text())["args"])
-    args.world_size, args.resume_at = 1, 0  # one process, one uninterrupted run
+    args.world_size, args.resume_at, args.zero = 1, 0, False  # one process, one uninterrupted run
     run = exercise["build_run"](exercise["config"](args), 0)
     try:
         with faultbench.watch(run.model, run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
@@ -46,7 +46,10 @@ def diagnose(folder: Path) -> dict:
 
 def main() -> int:
     folder = Path.cwd()
-    answer = diagnose(folder)
+    try:
+        answer = diagnose(folder)
+    except Exception as exc:  # noqa: BLE001 - the folder's job cannot even be set up: still an answer, a guess
+        answer = {"subsystem": FALLBACK, "note": f"the run could not be watched: {type(exc).__name__}: {exc}"[:300]}
     (folder / "ANSWER.json").write_text(json.dumps(answer, indent=1) + "\n")
     print(json.dumps(answer))
     return 0

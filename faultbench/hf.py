@@ -20,6 +20,8 @@ from transformers import TrainerCallback
 
 from faultbench.watch import Watch
 
+FINDINGS_METRIC = "faultbench_findings"  # the findings so far, in every log of the run
+
 
 class FaultbenchCallback(TrainerCallback):
     """``watch_kwargs``: passed to ``faultbench.watch`` (detectors, golden, report, out, ...). ``watch`` is the
@@ -51,9 +53,26 @@ class FaultbenchCallback(TrainerCallback):
             self.watch.watch_evaluations()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        """Trainer's ``grad_norm`` (the norm it clipped, of its last step) to the watch (``Watch.observe``)."""
-        if self.watch is not None and self.watch.attached and (logs or {}).get("grad_norm") is not None:
+        """Trainer's ``grad_norm`` (the norm it clipped, of its last step) to the watch (``Watch.observe``); and the
+        watch's finding count into the log as ``faultbench_findings``: it lands in ``state.log_history`` (and
+        trainer_state.json) and reaches every ``report_to`` callback that runs after this one (``attach``)."""
+        if self.watch is None or logs is None:
+            return
+        if self.watch.attached and logs.get("grad_norm") is not None:
             self.watch.observe(grad_norm=logs["grad_norm"])
+        count = {FINDINGS_METRIC: len(self.watch.findings)}
+        last = state.log_history[-1] if state.log_history else None  # Trainer appended {**logs, step} just before
+        if last is not None and last.get("step") == state.global_step and all(last.get(k) == v for k, v in
+                                                                               logs.items()):
+            last.update(count)
+        logs.update(count)
+
+    def attach(self, trainer) -> FaultbenchCallback:
+        """Add this callback to ``trainer`` ahead of the others, so the ``report_to`` integrations (TensorBoard,
+        W&B, MLflow, ...) log ``faultbench_findings`` with each step's metrics; ``Trainer(callbacks=[...])`` and
+        ``add_callback`` put it after them."""
+        trainer.callback_handler.callbacks.insert(0, self)
+        return self
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         """Trainer's evaluation loss (``eval_loss``, or the one ``*_loss`` of another metric prefix) to the watch

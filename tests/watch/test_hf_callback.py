@@ -16,7 +16,7 @@ targets.get("hf")  # sets HF_HUB_OFFLINE before transformers is imported
 
 from faultbench.faults.inject import injected  # noqa: E402
 from faultbench.faults.registry import get_fault  # noqa: E402
-from faultbench.hf import FaultbenchCallback  # noqa: E402
+from faultbench.hf import FINDINGS_METRIC, FaultbenchCallback  # noqa: E402
 from faultbench.targets.hf.recipes import RECIPES  # noqa: E402
 from faultbench.targets.hf.run import build_run  # noqa: E402
 
@@ -56,6 +56,8 @@ def test_the_callback_is_silent_on_clean_runs(recipe, tmp):
     # the monitors that apply to a Trainer run did run
     assert {"bb_lr_shape", "bb_grads_cleared", "bb_pad_ids", "bb_eval_mode"}.isdisjoint(watch.not_applicable)
     assert any("eval_loss" in log for log in run.trainer.state.log_history)  # eval forwards were watched too
+    logged = [log[FINDINGS_METRIC] for log in run.trainer.state.log_history if "loss" in log]
+    assert logged and set(logged) == {0}  # the finding count reaches Trainer's log history
     assert watch.ctx.scheduler is run.trainer.lr_scheduler and all(r.lrs for r in watch.ctx.history)
 
 
@@ -67,6 +69,19 @@ def test_the_callback_names_the_faults_subsystem_first(fault, tmp):
     top = watch.findings[0]
     assert (top.subsystem, top.where) == (get_fault(fault).subsystem, where), [
         f"{f.detector} [{f.subsystem}] {f.where}: {f.message}" for f in watch.findings]
+
+
+def test_findings_reach_the_log_history_as_they_are_made(tmp):
+    """Gradients never cleared are seen within the first steps: later logs of the run carry the count."""
+    callback, run = trained("fp32", "hf_missing_zero_grad", tmp)
+    counts = [log[FINDINGS_METRIC] for log in run.trainer.state.log_history if FINDINGS_METRIC in log]
+    assert counts == sorted(counts) and 0 < counts[-1] <= len(callback.watch.findings)
+
+
+def test_attach_puts_the_callback_ahead_of_the_reporting_ones(tmp):
+    run = build_run(RECIPES["fp32"], 0, f"{tmp}/attach")
+    callback = FaultbenchCallback(report=False).attach(run.trainer)
+    assert run.trainer.callback_handler.callbacks[0] is callback
 
 
 # ---- a resumed Trainer: the callback watches it from state.global_step, handed the first segment's watch ----------
