@@ -137,15 +137,16 @@ class Watch:
 
     def __init__(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, golden=None,
                  detectors="black-box", rank=None, world_size=None, report=True, out=None, step=0, previous=None,
-                 declare=None):
+                 declare=None, junit=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"faultbench.watch: model must be a torch.nn.Module, not {type(model).__name__}")
         inner = _unwrap_optimizer(optimizer)
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError("faultbench.watch: optimizer must be a torch.optim.Optimizer (or a wrapper holding one "
                             f"as .optimizer), not {type(optimizer).__name__}")
-        if out is not None and not Path(out).parent.is_dir():
-            raise ValueError(f"faultbench.watch: out={str(out)!r}: its folder does not exist")
+        for name, path in (("out", out), ("junit", junit)):
+            if path is not None and not Path(path).parent.is_dir():
+                raise ValueError(f"faultbench.watch: {name}={str(path)!r}: its folder does not exist")
         rank, world_size = _ranks(rank, world_size)
         self.ctx = WatchContext(model, inner, scheduler=scheduler, scaler=scaler,
                                 tokenizer=tokenizer, golden=load_golden(golden), rank=rank, world_size=world_size,
@@ -171,7 +172,7 @@ class Watch:
         self._stale_check = self._guard(self._grad_arrives)  # hooked on a sampled step's first logits
         self.detectors = _instantiate(detectors)
         self._listeners: dict[tuple, list] = {}  # (hook, sparse step) -> [(detector, bound hook)] of the active ones
-        self.print_report, self.out = report, out
+        self.print_report, self.out, self.junit = report, out, junit
         self.not_applicable: dict[str, str] = {}
         self.errors: dict[str, str] = {}
         self._handles: list = []
@@ -253,6 +254,12 @@ class Watch:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
+    def to_junit(self) -> str:
+        """The result as JUnit XML (``faultbench.junit``): a detector per test case, a finding per failure."""
+        from faultbench.junit import junit_xml
+
+        return junit_xml([d.id for d in self.detectors], self.to_dict())
+
     def report(self) -> str:
         """The readable report: ranked findings, then each not-applicable detector once, then detector errors."""
         findings = self.findings
@@ -302,14 +309,16 @@ class Watch:
             self._guard(self._name_code)()
         finally:
             self._detach()
-        if self.out is not None:
+        for name, path, text in (("out", self.out, self.to_json), ("junit", self.junit, self.to_junit)):
+            if path is None:
+                continue
             try:
-                Path(self.out).write_text(self.to_json())
+                Path(path).write_text(text())
             except OSError as e:
                 if exc is None:
                     raise
                 # the loop's own exception is what the user must see: this is said beside it, never instead
-                print(f"faultbench.watch: could not write out={self.out}: {e}", file=sys.stderr)
+                print(f"faultbench.watch: could not write {name}={path}: {e}", file=sys.stderr)
         if self.print_report:
             print(self.report(), file=sys.stderr)
         return False  # the user's exception propagates unchanged
@@ -696,7 +705,8 @@ def _not_applicable_lines(reasons: dict[str, str], width: int = 110) -> list[str
 
 def watch(model, optimizer, **kwargs) -> Watch:
     """Watch a training loop: ``with watch(model, optimizer, scheduler=, scaler=, tokenizer=, golden=,
-    detectors="black-box", rank=, world_size=, report=True, out=None, declare=None) as w: ...``. See ``Watch``;
+    detectors="black-box", rank=, world_size=, report=True, out=None, junit=None, declare=None) as w: ...``. See
+    ``Watch``; ``out``: the result as JSON at exit, ``junit``: as JUnit XML (a CI gate);
     ``declare``: the loop's conventions (detectors.blackbox.conventions), e.g. {"positions": "relative",
     "total_steps": 1000, "pad_id": 0}."""
     return Watch(model, optimizer, **kwargs)

@@ -272,10 +272,36 @@ def test_a_watch_entered_twice_is_refused_and_keeps_watching_once():
     assert [r.step for r in w.ctx.history] == [1] and not w.attached  # one step counted once, hooks gone
 
 
+def test_junit_gives_a_ci_gate_a_failure_per_finding_and_skips_what_does_not_apply(tmp_path):
+    """JUnit XML at exit (``junit=``): the forgotten zero_grad is a failure of bb_grads_cleared, a check whose
+    assumption the loop does not meet is skipped, every other detector passes."""
+    import xml.etree.ElementTree as ET
+
+    torch.manual_seed(0)
+    model, optimizer, _ = build(TrainConfig())
+    with faultbench.watch(model, optimizer, report=False, junit=tmp_path / "watch.xml") as w:
+        for _ in range(6):
+            x, y = get_batch("train", 4, 16)
+            model(x, targets=y)[1].backward()
+            optimizer.step()  # zero_grad forgotten
+    suite = ET.parse(tmp_path / "watch.xml").getroot()
+    cases = {c.get("name"): c for c in suite.iter("testcase")}
+    assert set(cases) == {d.id for d in w.detectors}
+    failed = {name for name, c in cases.items() if c.find("failure") is not None}
+    assert failed == {f.detector for f in w.findings} and "bb_grads_cleared" in failed
+    skipped = {name for name, c in cases.items() if c.find("skipped") is not None}
+    assert skipped == set(w.not_applicable) - failed and skipped
+    assert int(suite.get("failures")) == len(failed) and int(suite.get("tests")) == len(cases)
+    failure = cases["bb_grads_cleared"].find("failure")
+    assert failure.get("type") == "optimizer" and "at step" in failure.text
+
+
 def test_out_in_a_missing_folder_is_refused_before_the_loop(tmp_path):
     model, optimizer, _ = build(TrainConfig(), seed=0)
     with pytest.raises(ValueError, match="its folder does not exist"):
         faultbench.watch(model, optimizer, out=tmp_path / "missing" / "w.json")
+    with pytest.raises(ValueError, match="junit=.* its folder does not exist"):
+        faultbench.watch(model, optimizer, junit=tmp_path / "missing" / "w.xml")
 
 
 def test_a_failing_out_write_never_replaces_the_loops_exception(tmp_path, capsys):
