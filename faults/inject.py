@@ -131,22 +131,24 @@ def _by_module(specs: list[FaultSpec]) -> dict[str, dict[str, str]]:
     return out
 
 
+def _spliced(fault_ids) -> dict[Path, str]:
+    """{source file: spliced module text} for every module the faults touch."""
+    return {(path := Path(sys.modules[module].__file__).resolve()): splice_module(path.read_text(), replacements)
+            for module, replacements in _by_module([get_fault(f) for f in fault_ids]).items()}
+
+
 def spliced_sources(fault_ids) -> dict[str, str]:
-    """{path relative to the repo: spliced module text} for every module the faults touch."""
-    specs = [get_fault(f) for f in fault_ids]
-    out = {}
-    for module, replacements in _by_module(specs).items():
-        path = Path(sys.modules[module].__file__)
-        out[display_path(path)] = splice_module(path.read_text(), replacements)
-    return out
+    """{path as a user names it (``display_path``): spliced module text} for every module the faults touch."""
+    return {display_path(path): text for path, text in _spliced(fault_ids).items()}
 
 
 def render_tree(dest, fault_ids) -> Path:
-    """Copy ``model/`` into ``dest/model`` with the faults spliced into its source."""
-    dest = Path(dest)
-    shutil.copytree(ROOT / "model", dest / "model", ignore=shutil.ignore_patterns("__pycache__"))
-    for rel, text in spliced_sources(fault_ids).items():
-        (dest / rel).write_text(text)
+    """Copy ``model/`` into ``dest/model`` with the faults spliced into its source (from a checkout or an installed
+    wheel alike: each file goes where it lies in the model package)."""
+    dest, model = Path(dest), (ROOT / "model").resolve()
+    shutil.copytree(model, dest / "model", ignore=shutil.ignore_patterns("__pycache__"))
+    for path, text in _spliced(fault_ids).items():
+        (dest / "model" / path.relative_to(model)).write_text(text)
     return dest
 
 

@@ -103,7 +103,7 @@ def run_agent(out, command: str, name: str, passed: dict[str, str] | None = None
     unknown = sorted(set(only or ()) - {t["task"] for t in index})
     if unknown:
         raise ValueError(f"no task {unknown[0]!r} in {out / 'tasks.json'}")
-    command = command.replace("{python}", shlex.quote(sys.executable))
+    runnable = command.replace("{python}", shlex.quote(sys.executable))
     runs = out / "runs" / name
     rows = []
     for entry in (t for t in index if not only or t["task"] in only):
@@ -113,7 +113,7 @@ def run_agent(out, command: str, name: str, passed: dict[str, str] | None = None
         others = [p for p in (*(out / "runs").iterdir(), *runs.iterdir()) if p.is_dir() and p not in (runs, folder)]
         hidden = [out / "grader", out / "tasks", *others, *practice.key_folders(), *(ROOT / p for p in REFERENCE)]
         start = time.monotonic()
-        ran = run_command_sandboxed(command, folder, hidden, entry["minutes"] * 60, passed)
+        ran = run_command_sandboxed(runnable, folder, hidden, entry["minutes"] * 60, passed)
         seconds = time.monotonic() - start
         key, _ = practice.load_key(folder, out / "grader")
         spec = get_fault(key["fault"])

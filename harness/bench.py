@@ -52,9 +52,10 @@ from faultbench.harness.score import (
     per_fault,
     target_of,
 )
+from faultbench.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / ".cache" / "bench"
+CACHE = cache_dir() / "bench"
 SEEDS = (0, 1, 2)
 CASE_TIMEOUT_S = 180.0
 GOALS = {  # per track's suite, printed next to the measured values: the white-box track's (issue 5)

@@ -13,6 +13,7 @@ import torch
 from faultbench.harness.atomic import check_output, check_replaceable
 from faultbench.model.config import PAD_SIDES, PRECISIONS, PRESETS, get_preset
 from faultbench.model.seams import SUBSYSTEMS
+from faultbench.paths import cache_dir, in_checkout
 
 
 class _Parser(argparse.ArgumentParser):
@@ -822,7 +823,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reproduce= isolate= instrument= fix= prevent= example= (each 1-4)")
     for p in practice_sub.choices.values():
         p.add_argument("--plugin", action="append")
-        p.add_argument("--keys", metavar="DIR", help="where answer keys live (default .cache/practice/)")
+        p.add_argument("--keys", metavar="DIR", help="where answer keys live (default: practice/ of the cache folder, "
+                                                    "the checkout's .cache/ in a clone)")
     practice.set_defaults(func=_practice)
     return parser
 
@@ -879,6 +881,8 @@ def _refuse_unused_flags(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = ["faultbench", *(sys.argv[1:] if argv is None else argv)]
+    if not in_checkout():  # installed: the reference's tokenizer cache goes with the others, not into the package
+        os.environ.setdefault("TOKENIZER_CACHE_DIR", str(cache_dir() / "tokenizers"))
     try:
         _refuse_unused_flags(args)
         return args.func(args)
@@ -886,7 +890,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"faultbench: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader (head, less) closed the pipe: stop quietly, as a pipeline expects
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 1

@@ -29,10 +29,10 @@ from faultbench.harness.digest import source_digest
 from faultbench.harness.record import Case
 from faultbench.harness.recorder import GoldenRecorder
 from faultbench.harness.watched import WATCH_HISTORY, WATCH_RECORDER
+from faultbench.paths import cache_dir
 
 GOLDEN_SEEDS = (1000, 1001)
-ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / ".cache" / "golden"
+CACHE = cache_dir() / "golden"
 
 
 def golden_cases(recipes, target: str = "ref") -> list:

@@ -39,8 +39,8 @@ from faultbench.harness.atomic import write_text
 from faultbench.harness.case import behaviour
 from faultbench.harness.record import Case
 from faultbench.model.seams import resolve
+from faultbench.paths import cache_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 CANDIDATES_PLUGIN = "faultbench.faults.mutants.candidates"
 PER_CELL = 4  # candidates run per (seam, operator)
 ADMIT_SEEDS = (0, 1, 2)
@@ -102,7 +102,7 @@ def reach(target: str, pool=None) -> dict[str, set[tuple[str, int]]]:
     """{recipe: the seam lines its clean seed-0 run executes}, cached by the sources' digest."""
     from faultbench.harness.digest import code_digest
 
-    path = ROOT / ".cache" / "mutants" / f"reach-{target}-{code_digest()}.json"
+    path = cache_dir() / "mutants" / f"reach-{target}-{code_digest()}.json"
     if path.exists():
         return {r: {tuple(h) for h in hits} for r, hits in json.loads(path.read_text()).items()}
     import multiprocessing as mp

@@ -42,6 +42,7 @@ from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, diffi
 from faultbench.harness.practice_log import folder_secret, intact, sealed
 from faultbench.harness.practice_runs import reference_cached, run_train, train_args
 from faultbench.model.seams import SEAMS, SUBSYSTEMS
+from faultbench.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -52,14 +53,15 @@ MAX_ANSWERS = 3  # scored answers per exercise unless ``new --max-answers`` says
 # ---- the answer key ---------------------------------------------------------------------------------
 
 def keys_dir(keys=None) -> Path:
-    """Where answer keys live: ``keys``, else $FAULTBENCH_PRACTICE_KEYS, else .cache/practice/ of the checkout."""
-    return Path(keys or os.environ.get("FAULTBENCH_PRACTICE_KEYS", ROOT / ".cache" / "practice"))
+    """Where answer keys live: ``keys``, else $FAULTBENCH_PRACTICE_KEYS, else practice/ of the cache folder
+    (``faultbench.paths``: the checkout's .cache/ in a clone)."""
+    return Path(keys or os.environ.get("FAULTBENCH_PRACTICE_KEYS", cache_dir() / "practice"))
 
 
 def key_folders(keys=None) -> list[Path]:
     """Every folder that may hold answer keys (``keys``, $FAULTBENCH_PRACTICE_KEYS, the checkout's default):
     what a candidate's code must never see."""
-    candidates = (keys, os.environ.get("FAULTBENCH_PRACTICE_KEYS"), ROOT / ".cache" / "practice")
+    candidates = (keys, os.environ.get("FAULTBENCH_PRACTICE_KEYS"), cache_dir() / "practice")
     return list(dict.fromkeys(Path(p).resolve() for p in candidates if p))
 
 

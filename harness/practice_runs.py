@@ -22,6 +22,7 @@ from pathlib import Path
 
 from faultbench.harness.atomic import read_cached_json, write_text
 from faultbench.harness.sandbox import run_sandboxed
+from faultbench.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_TIMEOUT_S = 600.0  # a colleague's train.py run that takes longer hangs
@@ -61,7 +62,7 @@ def reference_cached(kind: str, key: dict, sources: tuple[str, ...], compute):
     from faultbench.harness.digest import source_digest
 
     blob = json.dumps({"key": key, "code": source_digest(*sources)}, sort_keys=True)
-    path = ROOT / ".cache" / "practice-reference" / kind / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
+    path = cache_dir() / "practice-reference" / kind / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.json"
     cached = read_cached_json(path, "practice reference")
     if cached is not None:
         return cached
@@ -124,7 +125,7 @@ def faultbench_with_model(root) -> str:
     Its ``__init__`` runs the installed one's with the copy's folder first in ``__path__``."""
     import faultbench
 
-    folder = ROOT / ".cache" / "practice-shims" / hashlib.sha256(str(root).encode()).hexdigest()[:20]
+    folder = cache_dir() / "practice-shims" / hashlib.sha256(str(root).encode()).hexdigest()[:20]
     search = [str(root), *(p for p in faultbench.__path__ if p != str(root)), str(ROOT)]
     init = faultbench.__file__
     write_text(folder / "faultbench" / "__init__.py",

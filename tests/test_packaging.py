@@ -48,17 +48,23 @@ def test_the_wheel_requires_torch_and_numpy_only(wheel):
     assert "faultbench/py.typed" in names and any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
 
-def test_installed_in_a_fresh_venv_the_watch_runs_from_an_empty_folder(wheel, tmp_path):
+def fresh_install(wheel: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A new venv with the wheel installed: its python and site-packages. It borrows this environment's
+    libraries (torch, numpy, tokenizers, ...) as a plain path line, whose .pth files (this checkout's editable
+    finder) are not read."""
     fresh = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(fresh)
     python = fresh / "bin" / "python"
     site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    # torch and numpy from this environment, as a plain path: its .pth files (this checkout's editable finder)
-    # are not read from a folder added that way
     (site / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--target",
                     str(site), str(wheel)], check=True, capture_output=True, timeout=300)
+    return python, site
+
+
+def test_installed_in_a_fresh_venv_the_watch_runs_from_an_empty_folder(wheel, tmp_path):
+    python, site = fresh_install(wheel, tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
     script = empty / "loop.py"
@@ -72,3 +78,25 @@ def test_installed_in_a_fresh_venv_the_watch_runs_from_an_empty_folder(wheel, tm
     assert Path(origin[1]).is_relative_to(site) and origin[2] == "0.1.0"
     assert "HEAVY []" in ran.stdout and "findings" in ran.stdout
     assert not list(site.glob("faultbench/.cache")) and not list(empty.glob(".cache"))
+
+
+def test_installed_practice_keeps_its_caches_and_keys_in_the_users_cache_folder(wheel, tmp_path):
+    """`practice new` from the wheel: the exercise where asked, the answer key, the healthy run and the tokenizer in
+    $XDG_CACHE_HOME/faultbench; nothing written into the installed package."""
+    python, site = fresh_install(wheel, tmp_path)
+    before = package_files(site)
+    work, xdg = tmp_path / "work", tmp_path / "xdg"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "FAULTBENCH", "TOKENIZER"))}
+    env.update(XDG_CACHE_HOME=str(xdg), HOME=str(tmp_path))
+    made = subprocess.run([python, "-m", "faultbench", "practice", "new", "--dir", "ex", "--fault",
+                           "ignore_index_mismatch"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert (work / "ex" / "README.md").is_file() and f"stays in {xdg / 'faultbench' / 'practice'}" in made.stdout
+    cached = {p.name for p in (xdg / "faultbench").iterdir()}
+    assert {"practice", "practice-reference", "tokenizers"} <= cached, cached
+    assert package_files(site) == before
+
+
+def package_files(site: Path) -> set[Path]:
+    return {p.relative_to(site) for p in (site / "faultbench").rglob("*") if "__pycache__" not in p.parts}

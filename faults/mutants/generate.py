@@ -30,9 +30,9 @@ from faultbench.faults.inject import display_path, find_def
 from faultbench.faults.mutants.operators import OPERATORS, Source, apply, body_of
 from faultbench.faults.registry import FAULTS, FaultError, Manifest, fault, seam_table
 from faultbench.model.seams import resolve
+from faultbench.paths import cache_dir
 
-ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache" / "mutants"
+CACHE = cache_dir() / "mutants"
 
 
 @dataclass(frozen=True)
