@@ -226,12 +226,13 @@ class Watch:
 
     def observe(self, loss=None, eval_loss=None, across_ranks: bool = False, grad_norm=None) -> None:
         """What the loop computed itself. ``loss``: the loss of the current micro-batch, for loops whose model does
-        not return one. ``eval_loss``: the evaluation loss the loop reports (mean next-token cross-entropy of the
-        evaluation it just ran, without label smoothing), checked against the evaluation forwards the watch saw
-        since the last training forward; ``across_ranks=True``: the value covers every rank's share of the
-        evaluation (gathered, as Trainer's ``eval_loss``) and every rank calls ``observe`` with it. ``grad_norm``:
-        the norm the loop reports for the gradients of the step it just took (the norm it clipped), after the step."""
-        if loss is not None:
+        not return one (ignored when its forward did: the model's own is kept). ``eval_loss``: the evaluation loss
+        the loop reports (mean next-token cross-entropy of the evaluation it just ran, without label smoothing),
+        checked against the evaluation forwards the watch saw since the last training forward;
+        ``across_ranks=True``: the value covers every rank's share of the evaluation (gathered, as Trainer's
+        ``eval_loss``) and every rank calls ``observe`` with it. ``grad_norm``: the norm the loop reports for the
+        gradients of the step it just took (the norm it clipped), after the step."""
+        if loss is not None and len(self._losses) < self._micro:  # the forward returned none for this micro-batch
             self._losses.append(_scalar(loss))
         if eval_loss is not None:
             if self.ctx.history:  # the evaluation just reported: how many documents it covered

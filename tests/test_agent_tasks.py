@@ -51,11 +51,11 @@ def test_an_agent_that_looks_around_gets_nothing(tasks):
     probe = ("cat ../../../grader/*.json ../../../tasks/*/README.md > stolen.txt 2>/dev/null; "
              f"ls {agent_tasks.ROOT / 'model'} {agent_tasks.ROOT / 'faults'} >> stolen.txt 2>/dev/null; "
              f"cat {agent_tasks.ROOT / 'README.md'} >> stolen.txt; echo not-json > ANSWER.json")
-    rows = agent_tasks.run_agent(out, probe, "thief")
+    rows = agent_tasks.run_agent(out, probe, "thief", only=["task-02"])  # the other task is in sight, hidden
     for row in rows:
         assert (row["subsystem"], row["seam"], row["repaired"], row["isolated"]) == ("invalid", "invalid", False, True)
         assert (out / "runs" / "thief" / row["task"] / "stolen.txt").read_text() == ""
-    assert "| task-01 | " in (out / "runs" / "thief" / "results.md").read_text()
+    assert "| task-02 | " in (out / "runs" / "thief" / "results.md").read_text()
 
 
 def test_an_agent_that_repairs_and_answers_is_graded_so(tasks, tmp_path):

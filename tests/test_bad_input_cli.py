@@ -370,11 +370,11 @@ def test_a_truncated_tokenizer_or_practice_reference_cache_is_computed_again(tmp
     assert again.encode("the cat ran") == first.encode("the cat ran")
     assert f"discarding the bad tokenizer cache {cached}" in capsys.readouterr().err
 
-    monkeypatch.setattr(practice_runs, "ROOT", tmp_path)
+    monkeypatch.setenv("FAULTBENCH_CACHE", str(tmp_path / "cache"))
     calls = []
     compute = lambda: calls.append(1) or {"loss": 1.0}  # noqa: E731
     assert practice_runs.reference_cached("k", {"a": 1}, (), compute) == {"loss": 1.0}
-    (entry,) = (tmp_path / ".cache" / "practice-reference" / "k").glob("*.json")
+    (entry,) = (tmp_path / "cache" / "practice-reference" / "k").glob("*.json")
     entry.write_text('{"loss": 1.')
     assert practice_runs.reference_cached("k", {"a": 1}, (), compute) == {"loss": 1.0} and len(calls) == 2
     assert f"discarding the bad practice reference {entry}" in capsys.readouterr().err

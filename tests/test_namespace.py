@@ -53,7 +53,9 @@ def test_the_distribution_installs_only_the_faultbench_namespace():
     """setuptools writes the top-level names a distribution installs to top_level.txt (wheel or editable)."""
     dist = importlib.metadata.distribution("faultbench")
     assert dist.read_text("top_level.txt").split() == ["faultbench"]
-    assert [ep.value for ep in dist.entry_points if ep.name == "faultbench"] == ["faultbench.harness.cli:main"]
+    named = {(ep.group, ep.value) for ep in dist.entry_points if ep.name == "faultbench"}
+    assert named == {("console_scripts", "faultbench.harness.cli:main"),  # the command
+                     ("pytest11", "faultbench.harness.pytest_plugin")}  # --inject-fault in any project
 
 
 def test_pyproject_lists_every_package_of_the_checkout():
