@@ -1,8 +1,8 @@
 """Practice exercises as agent tasks (harness/agent_tasks.py): export, the sandboxed runner, grading, the baseline.
 
-Two tasks from crash faults (the cheapest exercises to make). An agent that tries to read the grader, the other
-tasks, the reference and the docs gets nothing and is graded invalid; one that copies in a repair is graded
-repaired; the scripted baseline (faultbench/baseline_agent.py) localizes a crash and repairs nothing.
+Two tasks from crash faults (the cheapest exercises to make); each agent runs on one. An agent that tries to read
+the grader, the other tasks, the reference and the docs gets nothing and is graded invalid; one that copies in a
+repair is graded repaired; the scripted baseline (faultbench/baseline_agent.py) localizes a crash and repairs nothing.
 """
 
 import json

@@ -59,8 +59,9 @@ def test_round_trip_per_symptom_class(tmp_path, symptom):
     if difficulty(spec, RESULTS) == "hard":
         assert "grad_norm" not in readme and "scale" not in readme
 
-    broken = folder_check(ex)
-    assert broken.returncode == 1 and broken.stdout.startswith("FAIL"), broken.stdout + broken.stderr
+    if symptom != "desync":  # two ranks: its broken run is judged by `practice validate` (test_practice_offer.py)
+        broken = folder_check(ex)
+        assert broken.returncode == 1 and broken.stdout.startswith("FAIL"), broken.stdout + broken.stderr
 
     repair(ex, spec)
     # the interviewer's stricter scenario comparison costs a run: test_check_uses_the_folders_own_train_py has it

@@ -12,7 +12,7 @@ lightning = pytest.importorskip("lightning")
 from faultbench.lightning import FINDINGS_METRIC, FaultbenchLightning  # noqa: E402
 from tests.watch.nanogpt import TrainConfig, build, get_batch  # noqa: E402
 
-STEPS = 24
+STEPS = 12
 
 
 class Batches(torch.utils.data.IterableDataset):
