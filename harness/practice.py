@@ -416,14 +416,13 @@ def answer(directory, subsystem: str, seam: str | None = None, keys=None, clock:
     if revealed(key):
         record(key, path, "answer", clock, subsystem=subsystem, seam=seam, scored=False)
         return {"scored": False, "subsystem": None, "seam": None, "hints_used": hints_used, "late": False}
-    cap = key.get("max_answers", MAX_ANSWERS)
-    if sum(e["kind"] == "answer" and e["scored"] for e in key["events"]) >= cap:
+    cap, used = key.get("max_answers", MAX_ANSWERS), sum(e["kind"] == "answer" and e["scored"] for e in key["events"])
+    if used >= cap:
         raise ValueError(f"no answers left: all {cap} were used (`reveal` shows the fault; the report lists them)")
     verdict = {"scored": True, **grade(get_fault(key["fault"]), subsystem, seam), "hints_used": hints_used}
     event = record(key, path, "answer", clock, subsystem=subsystem, seam=seam, verdict_subsystem=verdict["subsystem"],
                    verdict_seam=verdict["seam"], scored=True, late=_late(key, clock()))
-    return {**verdict, "late": event["late"], "left": cap - sum(e["kind"] == "answer" and e["scored"]
-                                                                for e in key["events"])}
+    return {**verdict, "late": event["late"], "left": cap - used - 1}
 
 
 def grade(spec, subsystem: str, seam: str | None) -> dict:

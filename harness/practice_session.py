@@ -82,16 +82,15 @@ def status(directory, keys=None, clock: Clock = time.time) -> str:
     """One line for the candidate: time used and left, hints, attempts, checks (never the answer)."""
     key, _ = load_key(directory, keys)
     s = summary(key, clock())
+    counts = (f"hints {s['hints']}/3, answers {s['attempts']}, checks {s['checks']}"
+              + ("; repaired" if s["to_repair_s"] is not None else "")
+              + ("; the key was edited outside faultbench" if s["altered"] else ""))
     if s["stopped"]:
-        return (f"stopped after {_minutes(s['elapsed_s'])}; hints {s['hints']}/3, answers {s['attempts']}, "
-                f"checks {s['checks']}" + ("; repaired" if s["to_repair_s"] is not None else "")
-                + ("; the key was edited outside faultbench" if s["altered"] else ""))
+        return f"stopped after {_minutes(s['elapsed_s'])}; {counts}"
     left = "no budget set" if s["budget_s"] is None else (
         f"{_minutes(s['budget_s'] - s['elapsed_s'])} left" if not s["over_budget"]
         else f"over budget by {_minutes(s['elapsed_s'] - s['budget_s'])}")
-    return (f"{_minutes(s['elapsed_s'])} used, {left}; hints {s['hints']}/3, answers {s['attempts']}, "
-            f"checks {s['checks']}" + ("; repaired" if s["to_repair_s"] is not None else "")
-            + ("; the key was edited outside faultbench" if s["altered"] else ""))
+    return f"{_minutes(s['elapsed_s'])} used, {left}; {counts}"
 
 
 def _minutes(seconds: float | None) -> str:
