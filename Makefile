@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch is installed first and pinned for every later install, so pip can never swap in another build.
 TORCH  := torch==2.13.0
 
-.PHONY: setup test bench bench-quick bench-mutants bench-blind mutants practice-validate bench-peers perf faults-report mutation lint clean
+.PHONY: setup test bench bench-quick bench-mutants bench-blind mutants practice-validate bench-peers perf faults-report mutation lint check-page clean
 
 setup: $(VENV)/.installed
 
@@ -116,6 +116,11 @@ mutation: setup
 
 lint: setup
 	$(PY) -m ruff check .
+
+# results/index.html in headless Chromium (Debian: apt-get install chromium): every table renders and sorts, and a
+# screenshot lands in .cache/page.png. `python -m faultbench.harness.page results` redraws the page and figures.
+check-page: setup
+	$(PY) -m faultbench.harness.check_page results/index.html --screenshot .cache/page.png
 
 clean:
 	rm -rf $(VENV) $(PEERS) $(SMDEBUG) .pytest_cache .ruff_cache *.egg-info build

@@ -207,7 +207,7 @@ def test_practice_new_into_a_file_and_a_garbage_marker_are_one_line(tmp_path, ca
 
 # ---- the bench's cache and its outputs ----------------------------------------------------------------
 
-SCORE_FILES = ("bench.csv", "summary.json", "leaderboard.md", "heatmap.png")
+SCORE_FILES = ("bench.csv", "summary.json", "leaderboard.md", "summary.png", "heatmap_ref_white.png", "index.html")
 
 
 @pytest.fixture

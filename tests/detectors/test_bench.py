@@ -45,7 +45,7 @@ def test_a_hanging_case_and_a_raising_detector_are_recorded_not_fatal(plugin_ben
     assert rows[("", "test_reports_every_run")]["detected"] == "True"  # the other detector still ran
     assert summary["hung_cases"] == 1
     assert summary["detectors"]["test_reports_every_run"]["false_positive_rate"] == 1.0
-    for name in ("bench.csv", "summary.json", "leaderboard.md", "heatmap.png"):
+    for name in ("bench.csv", "summary.json", "leaderboard.md", "summary.png", "index.html"):
         assert (plugin_bench.out / name).stat().st_size > 0
     assert not list(plugin_bench.out.glob("*.tmp*"))  # atomic writes leave no temporaries
 

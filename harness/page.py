@@ -1,0 +1,229 @@
+"""results/index.html: the leaderboard as one static page, as benchmark leaderboards are published.
+
+No server, no CDN: the styles, the script and the summary figure are inlined, the heatmaps are the PNG files beside
+it. Sortable tables (click a header) of the headline per target and track, of the fault sets, and of each target
+and track's detectors; a drill-down per fault (its diff, the real bug it models, each detector's top finding per
+seed) and per detector (its scores and the faults it found). ``make check-page`` opens it in headless Chromium.
+
+    python -m faultbench.harness.page [DIR]   # redraw DIR's figures and page from its bench.csv (default results)
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import sys
+from pathlib import Path
+
+from faultbench.harness.figures import (
+    HEADLINE,
+    TRACKS,
+    headline,
+    heatmap_name,
+    heatmaps,
+    shown,
+    summary_figure,
+    track_detectors,
+)
+
+STYLE = """
+body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1200px;padding:0 16px;color:#222}
+h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
+table{border-collapse:collapse;margin:8px 0 16px;font-size:13px}
+th,td{border:1px solid #ddd;padding:3px 8px;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
+th{background:#f3f3f3;cursor:pointer;user-select:none}th[aria-sort=ascending]::after{content:" \\25B2"}
+th[aria-sort=descending]::after{content:" \\25BC"}
+details{margin:4px 0;border:1px solid #eee;padding:4px 8px}summary{cursor:pointer}
+pre{background:#f8f8f8;padding:8px;overflow-x:auto;font-size:12px}img{max-width:100%}
+"""
+
+# Click a header: sort its table's body by that column (numbers as numbers, "-" last), again to reverse.
+SCRIPT = """
+function sortTable(th){
+  const table=th.closest('table'), body=table.tBodies[0], col=[...th.parentNode.children].indexOf(th);
+  const dir=th.getAttribute('aria-sort')==='ascending'?'descending':'ascending';
+  table.querySelectorAll('th').forEach(h=>h.removeAttribute('aria-sort'));
+  th.setAttribute('aria-sort',dir);
+  const key=tr=>{const t=tr.cells[col].textContent.trim(),n=parseFloat(t);return isNaN(n)?t:n;};
+  const rows=[...body.rows].sort((a,b)=>{
+    const x=key(a),y=key(b);
+    if(x==='-'||y==='-')return (x==='-')-(y==='-');
+    const c=typeof x===typeof y?(x<y?-1:x>y?1:0):(typeof x==='number'?-1:1);
+    return dir==='ascending'?c:-c;});
+  rows.forEach(r=>body.appendChild(r));
+}
+document.querySelectorAll('table.sortable th').forEach(th=>th.addEventListener('click',()=>sortTable(th)));
+"""
+
+
+def _cell(value) -> str:
+    if value is None:
+        return '<td class="n">-</td>'
+    if isinstance(value, bool):
+        return f"<td>{'yes' if value else 'no'}</td>"
+    if isinstance(value, (int, float)):
+        return f'<td class="n">{value:.3f}</td>' if isinstance(value, float) else f'<td class="n">{value}</td>'
+    return f"<td>{value}</td>"  # already HTML (escaped text or a link)
+
+
+def table(head: list[str], rows: list[list], table_id: str = "") -> str:
+    """A sortable table; string cells are HTML (the caller escapes text), numbers are formatted."""
+    ident = f' id="{table_id}"' if table_id else ""
+    return (f'<table class="sortable"{ident}><thead><tr>' + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+            + "</tr></thead><tbody>" + "".join("<tr>" + "".join(map(_cell, r)) + "</tr>" for r in rows)
+            + "</tbody></table>")
+
+
+def _anchor(kind: str, name: str) -> str:
+    return f"{kind}-{''.join(c if c.isalnum() else '-' for c in name)}"
+
+
+def _link(kind: str, name: str) -> str:
+    return f'<a href="#{_anchor(kind, name)}">{html.escape(name)}</a>'
+
+
+def _fault_diff(fault_id: str, meta: dict) -> str:
+    """The fault's diff against the clean seam, where its registry (builtin or a loaded plugin) knows it."""
+    from faultbench.faults.inject import diff
+    from faultbench.faults.registry import FaultError
+
+    if meta.get("diff"):
+        return meta["diff"]
+    try:
+        return diff(fault_id)
+    except (FaultError, OSError, TypeError) as e:  # a plugin not loaded here, or source not on disk
+        return f"(no diff here: {e})"
+
+
+def fault_details(fault_id: str, meta: dict, rows: list[dict]) -> str:
+    """One fault's drill-down: what it is, the bug it models, its diff, and each detector's top finding per seed
+    (the detectors that found something; the track suites first)."""
+    mine = sorted((r for r in rows if r["fault"] == fault_id and r["detected"]),
+                  key=lambda r: (r["detector"] not in dict(TRACKS).values(), r["detector"], str(r["seed"])))
+    cases = {r["case"]: r.get("manifested") for r in rows if r["fault"] == fault_id}
+    refs = "".join(f"<li>{html.escape(ref)}</li>" for ref in meta.get("references", ()))
+    found = table(["detector", "recipe", "seed", "first step", "top subsystem", "top seam", "right subsystem first"],
+                  [[html.escape(r["detector"]), html.escape(r["recipe"]), r["seed"], r.get("first_step"),
+                    html.escape(r["top_subsystem"] or ""), html.escape(r["top_seam"] or ""), bool(r["top1_subsystem"])]
+                   for r in mine]) if mine else "<p>No detector found it on any case.</p>"
+    not_shown = sum(m is False for m in cases.values())
+    return (f'<details id="{_anchor("fault", fault_id)}"><summary><b>{html.escape(fault_id)}</b> '
+            f"[{html.escape(meta['subsystem'])}] {html.escape(meta.get('title', ''))}</summary>"
+            f"<p>{html.escape(meta.get('explanation', ''))}</p><p><b>Fix:</b> {html.escape(meta.get('fix', ''))}</p>"
+            f"<p><b>Models:</b></p><ul>{refs}</ul>"
+            f"<p>{len(cases)} cases, {not_shown} where it did not show (not scored).</p>"
+            f"<pre>{html.escape(_fault_diff(fault_id, meta))}</pre>{found}</details>")
+
+
+def _rate(rows: list[dict], key: str) -> float | None:
+    return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
+
+
+def detector_details(detector: str, cls, rows: list[dict]) -> str:
+    """One detector's drill-down: its scores per target and the faults it found (of its shown cases)."""
+    per_target = []
+    for target in dict.fromkeys(r["target"] for r in rows):
+        mine = [r for r in rows if r["target"] == target and r["detector"] == detector]
+        if mine:
+            faulty, clean = shown(mine), [r for r in mine if not r["fault"]]
+            per_target.append([target, len(faulty), _rate(faulty, "detected"), _rate(faulty, "top1_subsystem"),
+                               _rate(faulty, "top1_seam"), _rate(clean, "detected")])
+    found = sorted({(r["target"], r["fault"]) for r in shown(rows) if r["detector"] == detector and r["detected"]})
+    doc = html.escape((cls.__doc__ or "").strip().split("\n\n")[0]) if cls else ""
+    return (f'<details id="{_anchor("detector", detector)}"><summary><b>{html.escape(detector)}</b> '
+            f"({html.escape(getattr(cls, 'track', 'suite'))})</summary><p>{doc}</p>"
+            + table(["target", "shown fault cases", "detection", "top-1 subsystem", "top-1 seam", "FP"], per_target)
+            + "<p>Found: " + (", ".join(f"{t}/{_link('fault', f)}" for t, f in found) or "nothing") + "</p></details>")
+
+
+def page(rows: list[dict], faults: dict[str, dict], registry, set_rows: list[dict], figure: bytes,
+         images: list[str]) -> str:
+    """The whole page (``figure``: the summary PNG, inlined; ``images``: heatmap files beside the page)."""
+    metrics = [label for _, label in HEADLINE]
+    head = table(["target", "track", "shown fault cases", *metrics, "FP"],
+                 [[h["target"], h["track"], h["cases"], *(h[k] for k, _ in HEADLINE), h["fp"]] for h in headline(rows)],
+                 "headline")
+    parts = ["<h1>faultbench leaderboard</h1>",
+             "<p>Detection and localization of the injected faults, per target (<code>ref</code>: the reference "
+             "GPT; <code>hf</code>: a tiny Llama under <code>Trainer</code>) and track (white-box seam probes; "
+             "black-box: <code>faultbench.watch</code> and the HF callback). Means over the cases where the fault "
+             "showed; FP over the clean matrix. Click a header to sort.</p>",
+             "<h2>Headline</h2>", head,
+             f'<img alt="summary figure" src="data:image/png;base64,{base64.b64encode(figure).decode()}">']
+    if set_rows:
+        parts += ["<h2>Fault sets</h2>",
+                  table(["target", "track", "set", "faults", "seeds", "detection", "top-1 subsystem", "top-1 seam",
+                         "FP"],
+                        [[r["target"], r["track"], r["set"], r["faults"], r["seeds"], r["detection_rate"],
+                          r["top1_subsystem"], r["top1_seam"], r["false_positive_rate"]] for r in set_rows], "sets")]
+    for target in dict.fromkeys(r["target"] for r in rows):
+        mine = [r for r in rows if r["target"] == target]
+        for track, _ in TRACKS:
+            detectors = track_detectors(mine, registry, track)
+            if not detectors:
+                continue
+            body = []
+            for d in detectors:
+                det_rows = [r for r in mine if r["detector"] == d]
+                faulty = shown(det_rows)
+                body.append([_link("detector", d), len(faulty), _rate(faulty, "detected"),
+                             _rate(faulty, "top1_subsystem"), _rate(faulty, "top1_seam"),
+                             _rate([r for r in det_rows if not r["fault"]], "detected")])
+            columns = ["detector", "shown fault cases", "detection", "top-1 subsystem", "top-1 seam", "FP"]
+            parts += [f"<h2>Target {target}, {track}</h2>", table(columns, body)]
+            image = heatmap_name(target, track)
+            if image in images:
+                parts.append(f'<p><a href="{image}">heatmap: detector x fault ({image})</a></p>')
+        per_fault = []
+        for f in sorted({r["fault"] for r in mine if r["fault"] in faults}):
+            cells = [_link("fault", f), html.escape(faults[f]["subsystem"])]
+            for _, suite in TRACKS:
+                suite_rows = shown([r for r in mine if r["fault"] == f and r["detector"] == suite])
+                cells += [_rate(suite_rows, "detected"), _rate(suite_rows, "top1_subsystem")]
+            per_fault.append(cells)
+        parts += [f"<h2>Target {target}: faults</h2>",
+                  table(["fault", "subsystem", "white-box detection", "white-box top-1 subsystem",
+                         "black-box detection", "black-box top-1 subsystem"], per_fault, f"faults-{target}")]
+    fault_ids = sorted({r["fault"] for r in rows if r["fault"] in faults})
+    parts += ["<h2>Faults</h2>"] + [fault_details(f, faults[f], rows) for f in fault_ids]
+    parts += ["<h2>Detectors</h2>"] + [detector_details(d, registry.get(d), rows)
+                                        for d in sorted({r["detector"] for r in rows})]
+    preamble = ('<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>faultbench leaderboard</title>'
+            f"<style>{STYLE}</style></head><body>\n")
+    return preamble + "\n".join(parts) + f"\n<script>{SCRIPT}</script></body></html>\n"
+
+
+def render(rows: list[dict], faults: dict[str, dict], registry, set_rows: list[dict]) -> dict[str, bytes]:
+    """Every presentation file of a results folder: summary.png, the heatmaps and index.html, by file name."""
+    figure = summary_figure(rows, faults, set_rows)
+    files = {"summary.png": figure, **heatmaps(rows, faults, registry)}
+    files["index.html"] = page(rows, faults, registry, set_rows, figure, list(files)).encode()
+    return files
+
+
+def main(argv=None) -> int:
+    from faultbench.detectors.api import all_detectors
+    from faultbench.faults.registry import all_faults, load_plugin
+    from faultbench.harness.atomic import write_bytes
+    from faultbench.harness.sets import read_rows, sets_rows
+
+    parser = argparse.ArgumentParser(description="Redraw a results folder's figures and index.html from its bench.csv")
+    parser.add_argument("out", nargs="?", default="results", type=Path)
+    parser.add_argument("--plugin", action="append", default=[], help="the plugin whose faults the folder scored")
+    args = parser.parse_args(argv)
+    out = args.out
+    if not (out / "bench.csv").is_file():
+        print(f"error: {out}/bench.csv not found: run `make bench` first", file=sys.stderr)
+        return 2
+    for plugin in args.plugin:
+        load_plugin(plugin)
+    faults = {k: v.metadata() for k, v in all_faults(None).items()}
+    for name, data in render(read_rows(out / "bench.csv"), faults, all_detectors(), sets_rows(out)).items():
+        write_bytes(out / name, data)
+    print(f"wrote {out}/index.html, summary.png and the heatmaps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
