@@ -114,6 +114,16 @@ faults-report: setup
 mutation: setup
 	$(PY) -m faultbench.harness.mutation
 
+# Not part of CI: unmodified training programs of popular projects (nanoGPT, minGPT, Trainer run_clm-style on four
+# architectures, TRL SFTTrainer, Lightning's demo) watched clean on 3 seeds and with injected bugs (wild/bugs/):
+# results/wild.md (about 15 minutes on 2 cores). Needs the wild extra (trl, datasets, requests).
+$(VENV)/.wild: $(VENV)/.installed
+	$(PIP) install --quiet -c $(VENV)/constraints.txt -e '.[bench,dev,wild]'
+	touch $@
+
+wild: setup $(VENV)/.wild
+	$(PY) -m wild
+
 lint: setup
 	$(PY) -m ruff check .
 
