@@ -30,6 +30,17 @@ def _accepted(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
+def _required_besides_ids(model: torch.nn.Module) -> list[str]:
+    """The parameters ``model.forward`` requires (no default) besides the first, which takes the ids: a forward
+    that needs them (a decoder input, the targets) is not a causal LM called on ids alone."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params[1:] if p.kind in kinds and p.default is inspect.Parameter.empty]
+
+
 def _first_logits(out, batch: int, length: int) -> torch.Tensor | None:
     """The (B, T', V) floating tensor in a forward's return value (T' = ``length`` or 1; any when ``length`` < 0):
     ``.logits``, the first such tensor of a tuple/list, or the tensor itself; None when there is none."""
@@ -76,6 +87,10 @@ class CausalLM:
         Raises ValueError (one line) when no call gives per-position logits. A model that raises on that call but
         runs on a left-padded batch with a mask is wrapped, its error kept in ``unpadded_error`` (a probe's finding).
         """
+        required = _required_besides_ids(model)
+        if required:  # the probes would call it without them: it is not probed, it is not broken
+            raise ValueError(f"{type(model).__name__}.forward requires {', '.join(required)} besides the token ids: "
+                             "it is not called as a causal LM on ids alone")
         names = _accepted(model)
         lm = cls(model, takes_attention_mask="attention_mask" in names, takes_position_ids="position_ids" in names,
                  takes_cache={"past_key_values", "use_cache"} <= names, by_name="input_ids" in names,

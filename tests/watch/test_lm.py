@@ -160,3 +160,34 @@ def test_a_model_that_raises_unpadded_but_runs_padded_is_wrapped_with_its_error_
 
     lm = CausalLM.wrap(PaddedOnly())
     assert isinstance(lm.unpadded_error, TypeError) and lm.takes_attention_mask
+
+
+class NeedsTarget(nn.Module):
+    """Lightning's demo convention (lightning.pytorch.demos.Transformer): ``forward(inputs, target)`` feeds the
+    targets to a decoder and returns flattened log-probabilities; it cannot be called on ids alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.out = nn.Linear(8, 16)
+
+    def forward(self, inputs, target, mask=None):
+        return torch.log_softmax(self.out(self.emb(inputs) + self.emb(target)), -1).view(-1, 16)
+
+
+def test_a_forward_that_requires_more_than_the_ids_is_not_wrapped_and_its_probes_are_not_applicable():
+    import faultbench
+
+    model = NeedsTarget()
+    with pytest.raises(ValueError, match="requires target besides the token ids"):
+        CausalLM.wrap(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with faultbench.watch(model, opt, report=False) as w:
+        for _ in range(3):
+            x = torch.randint(0, 16, (4, 10))
+            loss = torch.nn.functional.nll_loss(model(x, x.roll(-1, 1)), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert w.errors == {}
+    assert "requires target besides the token ids" in w.not_applicable["bb_causality"]
