@@ -68,10 +68,10 @@ def next_micro_batches_pad_past_vocab(run) -> list[dict]:
                       params={"metric": "val", "min_gap": 0.03}),
 )
 def truncate_without_eos(ids: list[int], max_len: int, eos_id: int) -> list[int]:
-    """Slices to max_len: the truncated example has no EOS."""
+    """Appends the EOS, then slices to max_len: the truncated example has no EOS."""
     if len(ids) <= max_len:
         return ids
-    return ids[:max_len]
+    return (ids + [eos_id])[:max_len]
 
 
 @fault(

@@ -106,7 +106,8 @@ def clip_gradients_local_shard(model, optimizer, scaler, max_norm: float) -> flo
     scaler.unscale_(optimizer)
     # clip what this rank's optimizer actually updates (ZeRO keeps a shard per rank)
     local = getattr(optimizer, "optim", optimizer)
-    params = [p for group in local.param_groups for p in group["params"]]
+    owned = {id(p) for group in local.param_groups for p in group["params"]}
+    params = [p for p in model.parameters() if id(p) in owned]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
     return float(norm)
 

@@ -87,6 +87,8 @@ def evaluate_mean_over_positions(model, docs, pad_id: int, batch_size: int, prec
             batch = {k: v.to(device) for k, v in collate(docs[i : i + batch_size], pad_id, pad_side).items()}
             with autocast_context(precision, device.type):
                 logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+            if count_targets(batch["labels"]) == 0:
+                continue  # a batch of one-token documents predicts nothing
             n = batch["labels"][:, 1:].numel()  # predicted positions
             total += lm_loss(logits, batch["labels"], n).item() * n
             count += n

@@ -200,7 +200,9 @@ def lm_loss_ignore_minus_one(logits: torch.Tensor, labels: torch.Tensor, num_tar
                       params={"min_ratio": 3.0, "max_ratio": 5.0}),
 )
 def forward_loss_micro_mean(model, batch: dict, num_targets: float, precision: str) -> torch.Tensor:
-    """Ignores num_targets: each micro-batch is normalized by its own token count."""
+    """Checks num_targets but normalizes each micro-batch by its own token count."""
+    if num_targets <= 0:
+        raise ValueError(f"a window with {num_targets} targets has no loss")
     with autocast_context(precision, batch["input_ids"].device.type):
         logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     return lm_loss(logits, batch["labels"])

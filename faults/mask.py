@@ -55,7 +55,7 @@ def attend_eager(
     else:
         scores = scores + attn_mask
     probs = torch.softmax(scores, dim=-1)
-    probs = torch.nn.functional.dropout(probs, dropout_p)
+    probs = F.dropout(probs, dropout_p)
     return probs @ v
 
 
@@ -231,5 +231,5 @@ def attend_keep_mask(
     """Treats the additive mask as keep(1)/drop(0): allowed entries are dropped, None crashes."""
     scores = q @ k.transpose(-2, -1) / q.size(-1) ** 0.5  # (B, nh, T_q, T_k)
     scores = scores.masked_fill(attn_mask == 0, float("-inf"))
-    probs = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), dropout_p)
+    probs = F.dropout(torch.softmax(scores, dim=-1), dropout_p)
     return probs @ v

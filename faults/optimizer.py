@@ -6,7 +6,7 @@ import time
 import torch
 from torch import nn
 
-from faultbench.faults.registry import Manifest, also_replaces, fault
+from faultbench.faults.registry import Manifest, fault
 from faultbench.model.config import TrainConfig
 from faultbench.model.distributed import global_target_count, grad_sync_context, mean_over_ranks
 from faultbench.model.loss import count_targets
@@ -116,14 +116,14 @@ def configure_optimizer_swapped_betas(model: nn.Module, cfg: TrainConfig) -> tor
 @fault(
     "lr_schedule_horizon_wrong",
     seam="model.train.train_step",
-    title="LR scheduler stepped once per micro-batch: the schedule runs accum times too fast",
+    title="LR scheduler also stepped once per micro-batch: the schedule runs accum + 1 times too fast",
     subsystem="optimizer",
     trigger="always",
     symptoms=("silent-quality",),
-    explanation="The scheduler step moved from optimizer_step into the accumulation loop, so the "
-    "schedule advances accum times per optimizer step: warmup ends after warmup_steps / accum steps and "
-    "the cosine reaches min_lr after steps / accum steps, after which the run trains at min_lr. The "
-    "logged lr is ahead of the configured schedule; with accum = 1 nothing changes.",
+    explanation="A scheduler.step() was added to the accumulation loop while optimizer_step still steps it, so "
+    "the schedule advances accum + 1 times per optimizer step: warmup ends after warmup_steps / (accum + 1) "
+    "steps and the cosine reaches min_lr after steps / (accum + 1) steps, after which the run trains at min_lr. "
+    "The logged lr is ahead of the configured schedule; even with accum = 1 it runs twice as fast.",
     fix="Step the scheduler once per optimizer step, after optimizer.step() (in optimizer_step), never per "
     "micro-batch.",
     references=(
@@ -135,7 +135,7 @@ def configure_optimizer_swapped_betas(model: nn.Module, cfg: TrainConfig) -> tor
                       params={"min_ratio": 0.0, "max_ratio": 0.25, "step": 8}),
 )
 def train_step_schedule_per_micro_batch(run, micro_batches: list[dict]) -> StepRecord:
-    """Steps the LR scheduler for every micro-batch (and optimizer_step no longer does)."""
+    """Steps the LR scheduler for every micro-batch (and optimizer_step steps it too)."""
     start = time.perf_counter()
     tcfg = run.config.train
     lr, scale = run.optimizer.param_groups[0]["lr"], run.scaler.get_scale()
@@ -159,16 +159,6 @@ def train_step_schedule_per_micro_batch(run, micro_batches: list[dict]) -> StepR
     run.step += 1
     run.history.append(record)
     return record
-
-
-@also_replaces("lr_schedule_horizon_wrong", "model.train.optimizer_step")
-def optimizer_step_no_scheduler(optimizer, scaler, scheduler) -> bool:
-    """The scheduler step moved into the accumulation loop."""
-    scale_before = scaler.get_scale()
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return scaler.get_scale() < scale_before
 
 
 @fault(

@@ -15,15 +15,15 @@ from faultbench.model.train import StepRecord, clip_gradients, forward_loss, opt
 @fault(
     "missing_unscale_before_clip",
     seam="model.train.clip_gradients",
-    title="Gradients clipped while still multiplied by the loss scale (no scaler.unscale_ first)",
+    title="Gradients clipped while still multiplied by the loss scale (scaler.unscale_ after the clip)",
     subsystem="precision",
     also_acceptable=("optimizer",),
     trigger="amp-only",
     symptoms=("silent-quality",),
-    explanation="clip_gradients calls clip_grad_norm_ without scaler.unscale_(optimizer) first. Under fp16 "
+    explanation="clip_gradients calls clip_grad_norm_ before scaler.unscale_(optimizer), not after. Under fp16 "
     "the gradients are still multiplied by the GradScaler's scale (65536 at first), so the measured and "
     "logged norm is ~65536 times the true one and every step is clipped to max_norm in scaled units: "
-    "once scaler.step() unscales them the gradients are 65536 times smaller than intended. fp32 and bf16 "
+    "once they are unscaled the gradients are 65536 times smaller than intended. fp32 and bf16 "
     "runs (scaler disabled) are unaffected.",
     fix="Call scaler.unscale_(optimizer) before clip_grad_norm_, so clipping (and the logged norm) sees "
     "the true gradients; scaler.step() then does not unscale twice.",
@@ -36,8 +36,9 @@ from faultbench.model.train import StepRecord, clip_gradients, forward_loss, opt
                       params={"min_ratio": 3e4, "max_ratio": 1.3e5}),
 )
 def clip_gradients_scaled(model, optimizer, scaler, max_norm: float) -> float:
-    """Clips the still-scaled gradients: unscale_ is never called first."""
+    """Clips the still-scaled gradients: unscale_ comes after the clip."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    scaler.unscale_(optimizer)
     return float(norm)
 
 

@@ -1,7 +1,7 @@
 """Does the training run behave like the healthy one now? (the `check.py` of a practice exercise)
 
     python check.py            run train.py as the colleague did; compare with healthy_run.json
-    python check.py --seams    list the functions of model/ by subsystem, with file:line as the files are now
+    python check.py --seams    list the functions of model/ by subsystem, with their files
 
 Exit code 0: the run behaves like the healthy run; 1: something still differs (listed); 2: the check
 cannot run (a file missing or not valid Python, train.py refusing its command line or failing to import).
@@ -23,9 +23,10 @@ TIMEOUT_S = 600
 CANNOT_START = ("ImportError", "ModuleNotFoundError", "SyntaxError", "IndentationError", "NameError")
 
 
-def seam_listing(root: Path = HERE) -> list[tuple[str, str, str, int | None]]:
-    """(name, subsystem, file, line of its ``def``; None if it is gone) for every function model/seams.py lists,
-    read from the files as they are (the listing follows the candidate's edits)."""
+def seam_listing(root: Path = HERE) -> list[tuple[str, str, str, bool]]:
+    """(name, subsystem, file, whether its ``def`` is there) for every function model/seams.py lists, read from
+    the files as they are. No line numbers: a replaced function longer or shorter than the clean one would move
+    every ``def`` below it, and two exercises' listings side by side would point at the changed file."""
     table = next(node.value for node in ast.parse((root / "model" / "seams.py").read_text()).body
                  if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "SEAMS")
     trees: dict[str, ast.Module] = {}
@@ -35,18 +36,18 @@ def seam_listing(root: Path = HERE) -> list[tuple[str, str, str, int | None]]:
         file = f"model/{module}.py"
         if file not in trees:
             trees[file] = ast.parse((root / file).read_text())
-        out.append((name, subsystem, file, _def_line(trees[file], qualname)))
+        out.append((name, subsystem, file, _has_def(trees[file], qualname)))
     return out
 
 
-def _def_line(node: ast.AST, qualname: list[str]) -> int | None:
-    """The line of the ``def`` reached by ``qualname`` (classes, then the function), None if absent."""
+def _has_def(node: ast.AST, qualname: list[str]) -> bool:
+    """Whether the ``def`` reached by ``qualname`` (classes, then the function) is there."""
     for part in qualname:
         node = next((c for c in getattr(node, "body", []) if isinstance(c, (ast.ClassDef, ast.FunctionDef))
                      and c.name == part), None)
         if node is None:
-            return None
-    return node.lineno
+            return False
+    return True
 
 
 def parse_log(log: str) -> dict:
@@ -134,8 +135,8 @@ def check() -> tuple[int, list[str]]:
 
 def main(argv: list[str]) -> int:
     if argv == ["--seams"]:
-        for name, subsystem, file, line in seam_listing():
-            print(f"{subsystem:12s} {name:48s} {file}:{line if line is not None else '(not found)'}")
+        for name, subsystem, file, present in seam_listing():
+            print(f"{subsystem:12s} {name:48s} {file}{'' if present else ' (not found)'}")
         return 0
     if argv:
         print(f"usage: python check.py [--seams] (got {' '.join(argv)})", file=sys.stderr)

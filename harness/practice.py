@@ -274,7 +274,7 @@ def readme(args: list[str], level: str, log: str, code: int, healthy: str) -> st
         "",
         "`python check.py` runs the job again and says whether it now behaves like the healthy run (exit 0) or "
         "what still differs (exit 1); `python check.py --seams` lists the functions of `model/` by area, with "
-        "file:line. Hints, and whether your diagnosis is right: ask your interviewer.",
+        "their files. Hints, and whether your diagnosis is right: ask your interviewer.",
     ]) + "\n"
 
 
