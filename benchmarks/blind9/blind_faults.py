@@ -1,0 +1,376 @@
+"""Blind set 9: faults written without reading the detectors, to score how the suite generalizes.
+
+Each fault is the buggy body of one seam (of the reference, ``model/``, or of the HF target), modelled on a bug
+engineers have shipped; its manifest is the proof that it shows against the clean run.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from faultbench.faults.registry import Manifest, fault
+from faultbench.model.config import TrainConfig
+from faultbench.model.data import IGNORE_INDEX
+
+# ----------------------------------------------------------------------------------------------------------------
+# reference target (model/)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@fault(
+    "b9_01",
+    seam="model.rope.position_ids_from_mask",
+    title="Positions counted with a cumulative sum over the batch axis instead of the sequence axis",
+    subsystem="position",
+    also_acceptable=("collate", "model"),
+    trigger="always",
+    symptoms=("silent-quality",),
+    explanation="position_ids_from_mask takes attention_mask.cumsum(0): a token's 'position' is the number of real "
+    "tokens in its column among the rows above it, not the number of real tokens before it in its own row. Shapes "
+    "are unchanged and the values stay inside the RoPE table, so nothing fails; but positions now depend on the "
+    "batch composition: the same prompt gets other rotations alone than inside a padded batch, and in training "
+    "RoPE carries no information about the order of tokens.",
+    fix="Count along the sequence: attention_mask.long().cumsum(-1) - 1.",
+    references=(
+        "HF transformers GPT-2/Llama generation: position_ids = attention_mask.long().cumsum(-1) - 1 (the axis is "
+        "the sequence; cf. huggingface/transformers#7552 on positions of left-padded batches)",
+        "seed 000: verify positional embeddings and assert tensor shapes/semantics of position ids",
+    ),
+    manifest=Manifest(check="extra_at_least", scenario="generate", steps=30,
+                      params={"key": "pad_logit_gap", "faulty_min": 1e-3, "clean_max": 1e-4}),
+)
+def positions_cumsum_batch_axis(attention_mask: torch.Tensor, past_len: int = 0) -> torch.Tensor:
+    """The cumulative sum runs over dim 0 (rows), not over the sequence."""
+    positions = attention_mask.long().cumsum(0) - 1  # (B, T_total)
+    return positions.clamp_(min=0)[:, past_len:]
+
+
+@fault(
+    "b9_02",
+    seam="model.attention.build_attention_mask",
+    title="Causal mask not offset by the cache: decode queries are placed at the start of the sequence",
+    subsystem="mask",
+    also_acceptable=("model", "position"),
+    trigger="eval-only",
+    symptoms=("silent-quality",),
+    explanation="build_attention_mask numbers the queries 0..T_q-1 instead of T_k-T_q..T_k-1. In training and in "
+    "the prefill T_q == T_k and the mask is exact; in cached decoding (one query, T_k keys) the new token is "
+    "treated as position 0 and may only attend to the first cached slot: generation ignores the prompt and "
+    "cached logits no longer match a full forward of the same sequence.",
+    fix="Offset the query positions by the cache length: arange(T_k - T_q, T_k).",
+    references=(
+        "huggingface/transformers _make_causal_mask(input_ids_shape, dtype, past_key_values_length): the causal "
+        "mask of cached decoding must be shifted by the number of cached tokens",
+        "Mikyx-1/TinyLLM#17: generate() produces garbage despite a low train loss because the cached path built "
+        "the wrong mask",
+    ),
+    manifest=Manifest(check="extra_at_least", scenario="generate", steps=30,
+                      params={"key": "cached_logit_gap", "faulty_min": 1e-2, "clean_max": 1e-4}),
+)
+def mask_queries_not_offset(attention_mask: torch.Tensor, query_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The queries are numbered from 0, ignoring the keys already in the cache."""
+    batch, key_len = attention_mask.shape
+    if query_len == key_len and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+        return None
+    device = attention_mask.device
+    query_pos = torch.arange(query_len, device=device)[:, None]  # (T_q, 1)
+    key_pos = torch.arange(key_len, device=device)[None, :]  # (1, T_k)
+    allowed = (key_pos <= query_pos) & attention_mask.bool()[:, None, :]  # (B, T_q, T_k)
+    allowed |= key_pos == query_pos
+    mask = torch.zeros(batch, 1, query_len, key_len, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+
+
+@fault(
+    "b9_03",
+    seam="model.gpt.GPT.init_weights",
+    title="Init by parameter name: every '*weight', LayerNorm gains included, is drawn from N(0, init_std)",
+    subsystem="model",
+    trigger="always",
+    symptoms=("silent-quality",),
+    explanation="init_weights loops over named_parameters() and re-draws every tensor whose name ends in 'weight'. "
+    "The LayerNorm gains (ln_1, ln_2, ln_f) are weights too, so they start near 0 (std 0.02) instead of 1: every "
+    "normalized activation is ~50x too small, the blocks and the tied head see almost nothing, and the first "
+    "steps are spent growing the gains back (no weight decay on them, but a tiny gradient signal).",
+    fix="Initialize by module type: Linear/Embedding weights ~ N(0, std); LayerNorm weight = 1, bias = 0.",
+    references=(
+        "HF transformers PreTrainedModel._init_weights: norms are initialized separately (weight 1, bias 0) "
+        "because a generic init over every 'weight' would zero them",
+        "seed 004: check the initialization of every parameter group (norm gains at 1) before training",
+    ),
+    manifest=Manifest(check="loss_above", steps=40, params={"min_gap": 0.1}),
+)
+def init_by_param_name(self) -> None:
+    """Every parameter named '*weight' (LayerNorm gains included) gets the normal init."""
+    std = self.config.init_std
+    for name, param in self.named_parameters():
+        if name.endswith("weight"):
+            nn.init.normal_(param, mean=0.0, std=std)
+        elif name.endswith("bias"):
+            nn.init.zeros_(param)
+    for block in self.blocks:
+        for proj in (block.attn.proj, block.mlp.proj):
+            nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+
+
+@fault(
+    "b9_04",
+    seam="model.loss.lm_loss",
+    title="Loss averaged per sequence, then over the batch: short documents weigh as much as long ones",
+    subsystem="loss",
+    also_acceptable=("eval",),
+    trigger="always",
+    symptoms=("silent-quality", "eval-metric"),
+    explanation="lm_loss computes each row's mean over its own targets and returns the mean of the rows. A "
+    "3-token document then counts as much as a 60-token one: the tokens of short documents are up-weighted, the "
+    "objective is no longer the corpus cross-entropy, num_targets is ignored (accumulation windows are no longer "
+    "normalized as one batch) and the evaluation, which weights lm_loss by the token count, reports a number "
+    "that is not nats per token.",
+    fix="Sum the token losses over the whole batch and divide by the number of targets (of the window).",
+    references=(
+        "huggingface/transformers#34510: per-sequence vs per-token averaging of the causal-LM loss (the token "
+        "mean is the semantics)",
+        "imoneoi/openchat#182: per-sequence loss averaging made the model worse at long responses",
+    ),
+    manifest=Manifest(check="metric_differs", steps=30, params={"min_gap": 0.05}),
+)
+def lm_loss_per_sequence(logits, labels, num_targets=None, ignore_index: int = IGNORE_INDEX):
+    """Each row is averaged over its own targets; the batch loss is the mean of the rows."""
+    shifted_logits = logits[:, :-1].float()  # (B, T-1, V)
+    shifted_labels = labels[:, 1:]  # (B, T-1)
+    per_token = F.cross_entropy(shifted_logits.transpose(1, 2), shifted_labels, ignore_index=ignore_index,
+                                reduction="none")  # (B, T-1)
+    counts = (shifted_labels != ignore_index).sum(-1).clamp(min=1)
+    return (per_token.sum(-1) / counts).mean()
+
+
+@fault(
+    "b9_05",
+    seam="model.optim.configure_optimizer",
+    title="torch.optim.Adam given the weight_decay groups: L2 regularization instead of decoupled weight decay",
+    subsystem="optimizer",
+    trigger="always",
+    symptoms=("silent-quality",),
+    explanation="configure_optimizer builds the same two parameter groups but hands them to torch.optim.Adam, "
+    "whose weight_decay adds wd * w to the gradient before the adaptive normalization (L2), not AdamW's "
+    "decoupled lr * wd * w shrink. With wd = 0.1 and weights of ~0.02 the penalty gradient is as large as the "
+    "data gradient of most matrix entries, Adam normalizes it into full-size steps toward zero, and the matrices "
+    "fight the decay the whole run: the loss falls more slowly and ends higher, with nothing in the logs to "
+    "say why (the param groups still read weight_decay=0.1).",
+    fix="torch.optim.AdamW (decoupled decay) for the same groups.",
+    references=(
+        "Loshchilov & Hutter, Decoupled Weight Decay Regularization (ICLR 2019): L2 in Adam is not weight decay",
+        "PyTorch docs, torch.optim.Adam: 'weight_decay (float) - weight decay (L2 penalty)' vs torch.optim.AdamW",
+    ),
+    manifest=Manifest(check="loss_above", steps=100, params={"min_gap": 0.05}),
+)
+def configure_optimizer_adam_l2(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The groups go to Adam (coupled L2), not AdamW."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if cfg.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.Adam, lr=cfg.lr, betas=cfg.betas,
+                                       eps=cfg.eps)
+    return torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+@fault(
+    "b9_06",
+    seam="model.train.optimizer_step",
+    title="optimizer.step() called directly instead of scaler.step(optimizer): overflowed fp16 steps are applied",
+    subsystem="precision",
+    also_acceptable=("optimizer",),
+    trigger="amp-only",
+    symptoms=("nan",),
+    explanation="optimizer_step calls optimizer.step() and then scaler.update(). The gradients were unscaled "
+    "(clip_gradients) and the scaler found the inf/NaN, so it still halves the scale and the step is even "
+    "reported as skipped; but the optimizer already applied the non-finite gradients (clipping an infinite norm "
+    "multiplies inf by 0). The first overflow of fp16 training, which the scaler exists to absorb, writes NaN "
+    "into the weights and the loss is NaN from the next step on. bf16 and fp32 runs never overflow and are fine.",
+    fix="scaler.step(optimizer): it skips optimizer.step() when the unscaled gradients hold infs or NaNs.",
+    references=(
+        "PyTorch AMP docs (Gradient Scaling): 'scaler.step() unscales the optimizer's gradients and skips "
+        "optimizer.step() if the gradients contain infs or NaNs' (pytorch/pytorch#26512)",
+        "IAHispano/Applio#860: optimizer.step() called next to scaler.step(), bypassing the scaler (NaN losses)",
+    ),
+    manifest=Manifest(check="nan", steps=6, variant={"train": {"precision": "fp16", "init_scale": 2.0**30}},
+                      params={"by_step": 3}),
+)
+def optimizer_step_bypasses_scaler(optimizer, scaler, scheduler) -> bool:
+    """The optimizer steps by itself; the scaler only updates its scale."""
+    scale_before = scaler.get_scale()
+    optimizer.step()
+    scaler.update()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return scaler.get_scale() < scale_before
+
+
+@fault(
+    "b9_07",
+    seam="model.checkpoint.load_checkpoint",
+    title="On a DDP resume every rank restores rank 0's RNG state: all replicas draw the same dropout masks",
+    subsystem="checkpoint",
+    also_acceptable=("distributed",),
+    trigger="on-resume",
+    symptoms=("silent-quality", "desync"),
+    explanation="save_checkpoint gathers one RNG state per rank, but load_checkpoint restores state['rng'][0] on "
+    "every rank (the single-process code path, where index 0 is the only entry). After the resume all ranks "
+    "share rank 0's generator: their dropout masks are identical where they were independent before the save, "
+    "so the resumed run is not the uninterrupted one and the replicas' noise is correlated from then on. Single-"
+    "process resumes are exact, which is where resume was tested.",
+    fix="Restore state['rng'][run.rank] (each rank its own state), and check the saved world size.",
+    references=(
+        "huggingface/transformers Trainer: RNG states are saved per process (rng_state_{process_index}.pth) "
+        "because one shared file made every rank resume with process 0's generator",
+        "seed 000: check checkpoint/resume logic and randomness/seed control (per-rank seeds under DDP)",
+    ),
+    manifest=Manifest(check="extra_at_least", scenario="ddp_resume", steps=8, variant={"model": {"dropout": 0.1}},
+                      params={"key": "resume_loss_diff", "faulty_min": 1e-4, "clean_max": 1e-6}),
+)
+def load_checkpoint_rank0_rng(run, directory) -> None:
+    """Every rank restores the RNG state saved by rank 0."""
+    directory = Path(directory)  # noqa: F821 (model.checkpoint's)
+    meta = read_meta(directory)  # noqa: F821
+    if meta.get("format") != FORMAT:  # noqa: F821
+        raise CheckpointError(f"checkpoint format {meta.get('format')!r} is not supported (expected {FORMAT})")  # noqa: F821
+    state_path = directory / "state.pt"
+    if not state_path.exists():
+        raise CheckpointError(f"checkpoint {directory} has no state.pt")  # noqa: F821
+    if _sha256(state_path) != meta["sha256"]:  # noqa: F821
+        raise CheckpointError(f"{state_path} is corrupted: its sha256 does not match meta.json")  # noqa: F821
+    diffs = _config_mismatch(meta["config"], run.config.to_dict())  # noqa: F821
+    if diffs:
+        raise CheckpointError(f"checkpoint {directory} belongs to another config: " + "; ".join(diffs))  # noqa: F821
+    if meta["tokenizer_sha256"] != run.tokenizer.sha256:
+        raise CheckpointError(  # noqa: F821
+            f"checkpoint {directory} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]} "
+            f"vs {run.tokenizer.sha256[:12]}); token ids would mean different things"
+        )
+    state = torch.load(state_path, map_location=run.config.train.device, weights_only=True)
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.scaler.load_state_dict(state["scaler"])
+    run.sampler.load_state_dict(state["sampler"])
+    run.step = state["step"]
+    run.history = [StepRecord(**{k: v for k, v in r.items() if k != "tokens_per_s"}) for r in state["history"]]  # noqa: F821
+    restore_rng_state(state["rng"][0])  # noqa: F821
+
+
+@fault(
+    "b9_08",
+    seam="model.distributed.wrap_model",
+    title="DDP wrapper built but the bare module returned: training never goes through DDP and never syncs",
+    subsystem="distributed",
+    trigger="multi-rank",
+    symptoms=("desync", "silent-quality"),
+    explanation="wrap_model constructs DistributedDataParallel (which broadcasts rank 0's weights, so every "
+    "replica starts identical and a first check passes) and registers the averaging hook, but returns the "
+    "module it wrapped. The training step calls the bare module: DDP's forward never runs, its reducer never "
+    "expects a backward, and no gradient is ever all-reduced. Each rank trains on its own shard alone: the "
+    "replicas drift apart from the first step, the logged loss is an average of diverging models, and rank 0's "
+    "checkpoint holds a model trained on half the data.",
+    fix="Return the DDP wrapper and call it (not the inner module) in the training step.",
+    references=(
+        "PyTorch forums, 'DDP: gradients not synchronized across ranks': forward called on model instead of the "
+        "DistributedDataParallel wrapper (ddp_model) skips the reducer",
+        "PyTorch DDP notes: gradient synchronization is prepared in DistributedDataParallel.forward",
+    ),
+    manifest=Manifest(check="extra_at_least", scenario="ddp", steps=8,
+                      params={"key": "rank_param_diff", "faulty_min": 1e-4, "clean_max": 1e-6}),
+)
+def wrap_model_returns_module(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """The DDP wrapper is built, then dropped: the bare module is returned."""
+    if not is_distributed() or world_size() == 1:  # noqa: F821 (model.distributed's)
+        return model
+    device_ids = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids)  # noqa: F821
+    ddp.register_comm_hook(None, average_gradients_hook)  # noqa: F821
+    return model
+
+
+@fault(
+    "b9_09",
+    seam="model.sampler.ResumableSampler.next_indices",
+    title="Epoch rollover off by one: the epoch's tail is served as one more, short (or empty) batch",
+    subsystem="data",
+    trigger="after-step",
+    symptoms=("crash-shape",),
+    explanation="next_indices rolls over to the next epoch only when position > batches_per_epoch, one batch late. "
+    "At the end of every epoch it serves the leftover tail of the permutation as a batch of its own: a short "
+    "batch (fewer documents than global_batch, and an uneven split across ranks) when the split does not divide "
+    "evenly, and an empty list when it does, which makes the micro-batch split fail ('range() arg 3 must not be zero') "
+    "after a whole epoch of clean training.",
+    fix="Roll over when position == batches_per_epoch (drop the incomplete tail, as the docstring says).",
+    references=(
+        "pytorch/pytorch DistributedSampler / drop_last: the last incomplete batch of an epoch must be dropped or "
+        "padded, or ranks see uneven batches",
+        "seed 000: intermittent shape errors 'often only after the run has been going for a while'",
+    ),
+    manifest=Manifest(check="crash", steps=14,
+                      variant={"data": {"num_docs": 200, "val_fraction": 0.25}, "train": {"batch_size": 13}},
+                      params={"types": ("ValueError",), "min_step": 11}),
+)
+def next_indices_late_rollover(self) -> list[int]:
+    """Rolls over one batch too late."""
+    if self.position > self.batches_per_epoch:
+        self.set_epoch(self.epoch + 1)
+    per_rank = self.global_batch // self.world_size
+    start = self.position * self.global_batch + self.rank * per_rank
+    self.position += 1
+    return self._order[start : start + per_rank].tolist()
+
+
+@fault(
+    "b9_10",
+    seam="model.evaluate.evaluate",
+    title="Validation loss divided by the input tokens of each batch, not by its predicted tokens",
+    subsystem="eval",
+    also_acceptable=("loss",),
+    trigger="eval-only",
+    symptoms=("eval-metric",),
+    explanation="evaluate weights each batch by attention_mask.sum(), the number of real input tokens, instead of "
+    "count_targets(labels). The summed cross-entropy is right, but the denominator counts every document's BOS "
+    "(never a target: nothing predicts it) as a predicted token, one extra per document. With documents of ~11 "
+    "tokens the reported validation loss is ~9% too low, below the corpus floor the model can never beat, and "
+    "the train/val comparison is skewed in the model's favour. Training is untouched.",
+    fix="Divide by the number of targets after the shift (count_targets), as the training loss does.",
+    references=(
+        "HF transformers docs, 'Perplexity of fixed-length models': the loss is averaged over the valid labels, "
+        "and because the labels are shifted inside the model there is one valid label fewer per sequence than "
+        "input tokens",
+        "seed 002: reproducibility and metric checks (a loss below the known floor is a bug, not progress)",
+    ),
+    manifest=Manifest(check="loss_below", steps=30, params={"min_gap": 0.15, "metric": "val"}),
+)
+def evaluate_per_input_token(model, docs, pad_id: int, batch_size: int, precision: str = "fp32",
+                             pad_side: str = "right") -> float:
+    """Each batch is weighted by its real input tokens (BOS included), not by its targets."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    try:
+        for i in range(0, len(docs), batch_size):
+            batch = {k: v.to(device) for k, v in collate(docs[i : i + batch_size], pad_id, pad_side).items()}  # noqa: F821
+            with autocast_context(precision, device.type):  # noqa: F821
+                logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+            n = int(batch["attention_mask"].sum())
+            total += lm_loss(logits, batch["labels"], n).item() * n  # noqa: F821
+            count += n
+    finally:
+        model.train(was_training)
+    return total / count
