@@ -374,3 +374,173 @@ def evaluate_per_input_token(model, docs, pad_id: int, batch_size: int, precisio
     finally:
         model.train(was_training)
     return total / count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF target (transformers + accelerate)
+# ----------------------------------------------------------------------------------------------------------------
+
+_LLAMA = "transformers.models.llama.modeling_llama"
+_TRAINER = "transformers.trainer.Trainer"
+
+
+@fault(
+    "b9_11", target="hf", seam=f"{_LLAMA}.LlamaRotaryEmbedding.forward",
+    title="Rotary cos/sin computed from the first row's position ids and broadcast to the whole batch",
+    subsystem="position", also_acceptable=("model",), trigger="eval-only", symptoms=("silent-quality",),
+    explanation="LlamaRotaryEmbedding.forward takes position_ids[:1] ('positions are the same for every row') and "
+    "expands the tables over the batch. Training passes no position_ids (one arange shared by all rows) and is "
+    "exact, but batched generation of left-padded prompts passes per-row positions from the attention mask: "
+    "every row is rotated with the first row's positions, so the padded rows' tokens sit at wrong, non-uniform "
+    "positions and a prompt decodes differently alone than in a batch.",
+    fix="Use each row's own position_ids: position_ids[..., None] * inv_freq.",
+    references=(
+        "HF transformers LlamaRotaryEmbedding.forward: inv_freq is multiplied by each row's position_ids (batch, "
+        "seq), so rows with different left padding get their own angles",
+        "huggingface/transformers#7552: position ids of left-padded batches must come from the attention mask",
+    ),
+    manifest=Manifest(check="extra_at_least", scenario="generate", steps=16,
+                      params={"key": "pad_logit_gap", "faulty_min": 1e-3, "clean_max": 1e-4}),
+)
+def rotary_first_row_positions(self, x, position_ids):
+    """Row 0's positions are used for every row."""
+    freqs = position_ids[:1, :, None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+    freqs = freqs.expand(x.shape[0], -1, -1)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * self.attention_scaling
+    sin = emb.sin() * self.attention_scaling
+
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+@fault(
+    "b9_12", target="hf", seam="transformers.modeling_utils.PreTrainedModel._init_weights",
+    title="Norm gains initialized to zero (the (1 + weight) RMSNorm convention) in a model that multiplies by weight",
+    subsystem="model", trigger="always", symptoms=("silent-quality", "stall"),
+    explanation="_init_weights zeroes the weight of every *LayerNorm/*RMSNorm module, the right init for Gemma-style "
+    "norms that scale by (1 + weight), but LlamaRMSNorm scales by weight itself. Every normalized activation is "
+    "0 at step 0: attention and MLP inputs vanish, the final norm outputs zeros so the logits are uniform (loss "
+    "= ln V), and the model has to grow its gains back from the tiny gradient that reaches them before it can "
+    "learn anything. The run lags far behind the clean one.",
+    fix="Initialize the gains to 1 for weight-scaled norms (zeros only where the forward uses 1 + weight).",
+    references=(
+        "google-deepmind/gemma and HF GemmaRMSNorm: output * (1.0 + self.weight) with zero-initialized weights, a "
+        "convention that must not leak into LlamaRMSNorm (weight * output, initialized to ones)",
+        "HF transformers PreTrainedModel._init_weights: norms are matched by class name ('RMSNorm'), so one "
+        "rule covers every model's norms",
+    ),
+    manifest=Manifest(check="loss_above", steps=16, params={"min_gap": 0.2}),
+)
+def init_weights_norms_zero(self, module):
+    """Every norm's gain is set to 0, whatever its forward does with it."""
+    if hasattr(self.config, "initializer_range"):
+        std = self.config.initializer_range or 0.02
+    elif hasattr(self.config, "init_std"):
+        std = self.config.init_std
+    elif hasattr(self.config, "initializer_factor"):
+        std = self.config.initializer_factor
+    else:
+        std = getattr(self.config.get_text_config(), "initializer_range", 0.02)
+
+    if isinstance(module, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d)):
+        if getattr(module, "weight", None) is not None:
+            init.normal_(module.weight, mean=0.0, std=std)  # noqa: F821 (transformers.modeling_utils')
+        if module.bias is not None:
+            init.zeros_(module.bias)  # noqa: F821
+    elif isinstance(module, nn.LSTM):
+        for name, param in module.named_parameters():
+            if "weight" in name:
+                init.xavier_uniform_(param)  # noqa: F821
+            elif "bias" in name:
+                init.constant_(param, 0.0)  # noqa: F821
+    elif isinstance(module, nn.Embedding):
+        init.normal_(module.weight, mean=0.0, std=std)  # noqa: F821
+        if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+            init.zeros_(module.weight[module.padding_idx])  # noqa: F821
+    elif isinstance(module, nn.MultiheadAttention):
+        module._reset_parameters()
+    elif (
+        isinstance(module, (nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
+        or "LayerNorm" in module.__class__.__name__
+        or "RMSNorm" in module.__class__.__name__
+    ):
+        if getattr(module, "weight", None) is not None:
+            init.zeros_(module.weight)  # noqa: F821
+        if getattr(module, "bias", None) is not None:
+            init.zeros_(module.bias)  # noqa: F821
+        if getattr(module, "running_mean", None) is not None:
+            init.zeros_(module.running_mean)  # noqa: F821
+            init.ones_(module.running_var)  # noqa: F821
+            init.zeros_(module.num_batches_tracked)  # noqa: F821
+    elif "RotaryEmbedding" in module.__class__.__name__ and hasattr(module, "original_inv_freq"):
+        rope_init_fn_with_self = {
+            "axial": getattr(module, "compute_axial_rope_parameters", None),
+            "ntk_alpha": getattr(module, "compute_ntk_alpha_rope_parameters", None),
+            "default": getattr(module, "compute_default_rope_parameters", None),
+            **ROPE_INIT_FUNCTIONS,  # noqa: F821
+        }
+        rope_fn = rope_init_fn_with_self[module.rope_type]
+        buffer_value, _ = rope_fn(module.config)
+        init.copy_(module.inv_freq, buffer_value)  # noqa: F821
+        init.copy_(module.original_inv_freq, buffer_value)  # noqa: F821
+
+
+@fault(
+    "b9_13", target="hf", seam="transformers.loss.loss_utils.ForCausalLMLoss",
+    title="Labels padded with F.pad's default value 0 before the shift: the last position of every row targets token 0",
+    subsystem="loss", also_acceptable=("collate",), trigger="always", symptoms=("silent-quality", "eval-metric"),
+    explanation="ForCausalLMLoss shifts by padding the labels with one column on the right, but the pad value is "
+    "left at nn.functional.pad's default, 0, instead of ignore_index. Token id 0 is <pad> here, so every row's "
+    "last position gets the target '<pad>' (after an EOS, or after a pad) that the collator would have "
+    "ignored: one spurious target per row that num_items_in_batch does not count. The train and eval losses "
+    "include B extra terms divided by the real target count, the model is pushed to predict padding, and the "
+    "reported numbers are no longer the cross-entropy of the documents.",
+    fix="nn.functional.pad(labels, (0, 1), value=ignore_index).",
+    references=(
+        "PyTorch docs, torch.nn.functional.pad: 'value: fill value for constant padding. Default: 0'",
+        "huggingface/transformers#46204: the causal-LM loss shifts the labels by padding them with ignore_index "
+        "(count and shift must agree)",
+    ),
+    manifest=Manifest(check="metric_differs", steps=16, params={"min_gap": 0.05}),
+)
+def forcausallmloss_pad_zero(logits, labels, vocab_size: int, num_items_in_batch: torch.Tensor | None = None,
+                             ignore_index: int = -100, shift_labels: torch.Tensor | None = None, **kwargs):
+    """The shift pads the labels with 0 (a real token id), not ignore_index."""
+    logits = logits.float()
+
+    if shift_labels is None:
+        labels = nn.functional.pad(labels, (0, 1))
+        shift_labels = labels[..., 1:].contiguous()
+
+    logits = logits.view(-1, vocab_size)
+    shift_labels = shift_labels.view(-1)
+    shift_labels = shift_labels.to(logits.device)
+    loss = fixed_cross_entropy(logits, shift_labels, num_items_in_batch, ignore_index, **kwargs)  # noqa: F821
+    return loss
+
+
+@fault(
+    "b9_14", target="hf", seam="transformers.optimization._get_cosine_schedule_with_warmup_lr_lambda",
+    title="Cosine progress measured over all training steps, warmup included: the LR never anneals",
+    subsystem="optimizer", trigger="after-step", symptoms=("silent-quality",),
+    explanation="The decay's progress is (step - warmup) / num_training_steps instead of / (num_training_steps - "
+    "warmup). Warmup is exact, but the cosine only reaches cos(pi * (1 - warmup/total)) by the last step: with "
+    "half the run in warmup the run ends at ~60% of the peak LR instead of ~0, never annealing, and the last "
+    "steps are as noisy as the middle ones.",
+    fix="Divide by max(1, num_training_steps - num_warmup_steps).",
+    references=(
+        "karpathy/nanoGPT get_lr: decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters) (the "
+        "warmup is subtracted from the denominator too)",
+        "HF transformers get_cosine_schedule_with_warmup docs: the LR decreases to 0 at num_training_steps",
+    ),
+    manifest=Manifest(check="lr_ratio", steps=16, params={"min_ratio": 3.0, "max_ratio": 1000.0, "step": 15}),
+)
+def cosine_progress_over_total(current_step: int, *, num_warmup_steps: int, num_training_steps: int,
+                               num_cycles: float, min_lr_rate: float = 0.0):
+    """The cosine's progress divides by the total step count."""
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    progress = float(current_step - num_warmup_steps) / float(max(1, num_training_steps))
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+    factor = factor * (1 - min_lr_rate) + min_lr_rate
+    return max(0, factor)
