@@ -5,6 +5,7 @@ engineers have shipped; its manifest is the proof that it shows against the clea
 """
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -544,3 +545,293 @@ def cosine_progress_over_total(current_step: int, *, num_warmup_steps: int, num_
     factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
     factor = factor * (1 - min_lr_rate) + min_lr_rate
     return max(0, factor)
+
+
+@fault(
+    "b9_15", target="hf", seam=f"{_TRAINER}._load_from_checkpoint",
+    title="Resume loads the checkpoint's weights into model.base_model with strict=False: no key matches, nothing loads",
+    subsystem="checkpoint", trigger="on-resume", symptoms=("silent-quality",),
+    explanation="_load_from_checkpoint loads the saved state dict into model.base_model (the decoder inside "
+    "LlamaForCausalLM) non-strictly. The saved keys are the full model's ('model.layers.0...', 'lm_head.weight') "
+    "while the base model's are 'layers.0...': every key is unexpected or missing, strict=False turns that into "
+    "a log line below the run's log level, and the resumed run continues from freshly initialized weights with "
+    "the restored optimizer moments, schedule and data position. The loss jumps back up at the resume.",
+    fix="Load into the model the checkpoint was saved from (model.load_state_dict(state_dict)), strictly, or fail "
+    "when any key is missing or unexpected.",
+    references=(
+        "salesforce/LAVIS#153: resume fixed by load_state_dict(strict=False) on the unwrapped model; the reply notes "
+        "users are no longer alerted when the checkpoint and the model do not match",
+        "mosaicml/composer#2216: 'Change state dict loading default to strict' to prevent silent failures to load "
+        "the model correctly",
+    ),
+    manifest=Manifest(check="extra_at_least", scenario="resume", steps=12,
+                      params={"key": "resume_loss_gap", "faulty_min": 0.1, "clean_max": 1e-6}),
+)
+def load_from_checkpoint_into_base_model(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    """The decoder's state dict is loaded into the base model, non-strictly: no key matches."""
+    if model is None:
+        model = self.model
+
+    config_file = os.path.join(resume_from_checkpoint, CONFIG_NAME)
+    adapter_weights_file = os.path.join(resume_from_checkpoint, ADAPTER_WEIGHTS_NAME)
+    adapter_safe_weights_file = os.path.join(resume_from_checkpoint, ADAPTER_SAFE_WEIGHTS_NAME)
+    weights_file = os.path.join(resume_from_checkpoint, WEIGHTS_NAME)
+    weights_index_file = os.path.join(resume_from_checkpoint, WEIGHTS_INDEX_NAME)
+    safe_weights_file = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_NAME)
+    safe_weights_index_file = os.path.join(resume_from_checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+    is_fsdp_ckpt = os.path.isdir(resume_from_checkpoint) and (
+        # this checks the FSDP state dict when `SHARDED_STATE_DICT` is used
+        any(
+            FSDP_MODEL_NAME in folder_name
+            for folder_name in os.listdir(resume_from_checkpoint)
+            if os.path.isdir(os.path.join(resume_from_checkpoint, folder_name))
+        )
+        # this checks the FSDP state dict when `FULL_STATE_DICT` is used
+        or os.path.isfile(os.path.join(resume_from_checkpoint, f"{FSDP_MODEL_NAME}.bin"))
+    )
+    # if multiple adapters exist, they get saved in sub directories
+    adapter_subdirs = (
+        [
+            folder_name
+            for folder_name in os.listdir(resume_from_checkpoint)
+            if os.path.isdir(os.path.join(resume_from_checkpoint, folder_name))
+            and (
+                os.path.isfile(os.path.join(resume_from_checkpoint, folder_name, ADAPTER_WEIGHTS_NAME))
+                or os.path.isfile(os.path.join(resume_from_checkpoint, folder_name, ADAPTER_SAFE_WEIGHTS_NAME))
+            )
+        ]
+        if os.path.isdir(resume_from_checkpoint)
+        else []
+    )
+
+    if is_fsdp_ckpt and not self.is_fsdp_enabled:
+        raise ValueError(f"Checkpoint found at {resume_from_checkpoint} is only supported when using PyTorch FSDP")
+
+    if not (
+        any(
+            os.path.isfile(f)
+            for f in [
+                weights_file,
+                safe_weights_file,
+                weights_index_file,
+                safe_weights_index_file,
+                adapter_weights_file,
+                adapter_safe_weights_file,
+            ]
+        )
+        or is_fsdp_ckpt
+        or adapter_subdirs
+    ):
+        raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
+
+    logger.info(f"Loading model from {resume_from_checkpoint}.")
+
+    if os.path.isfile(config_file):
+        config = PreTrainedConfig.from_json_file(config_file)
+        checkpoint_version = config.transformers_version
+        if checkpoint_version is not None and checkpoint_version != __version__:
+            logger.warning(
+                f"You are resuming training from a checkpoint trained with {checkpoint_version} of "
+                f"Transformers but your current version is {__version__}. This is not recommended and could "
+                "yield to errors or unwanted behaviors."
+            )
+
+    if os.path.isfile(weights_file) or os.path.isfile(safe_weights_file) or is_fsdp_ckpt:
+        # If the model is on the GPU, it still works!
+        if is_sagemaker_mp_enabled():
+            smp.resume_from_checkpoint(
+                path=resume_from_checkpoint, tag=WEIGHTS_NAME, partial=False, load_optimizer=False
+            )
+        elif self.is_fsdp_enabled:
+            load_fsdp_model(
+                self.accelerator.state.fsdp_plugin,
+                self.accelerator,
+                model,
+                resume_from_checkpoint,
+                **get_fsdp_ckpt_kwargs(),
+            )
+        else:
+            # We load the model state dict on the CPU to avoid an OOM error.
+            if os.path.isfile(safe_weights_file):
+                state_dict = safetensors.torch.load_file(safe_weights_file, device="cpu")
+            else:
+                check_torch_load_is_safe()
+                state_dict = torch.load(weights_file, map_location="cpu", weights_only=True)
+
+            # workaround for FSDP bug https://github.com/pytorch/pytorch/issues/82963
+            # which takes *args instead of **kwargs
+            load_result = model.base_model.load_state_dict(state_dict, False)
+            # release memory
+            del state_dict
+            self._issue_warnings_after_load(load_result)
+
+    # Load adapters following PR # 24096
+    elif _is_peft_model(model):
+        # If training a model using PEFT, assume that adapter have been saved properly.
+        if hasattr(model, "active_adapters") and hasattr(model, "load_adapter"):
+            if os.path.exists(resume_from_checkpoint):
+                active_adapters = model.active_adapters
+                if len(active_adapters) > 1:
+                    logger.warning("Multiple active adapters detected will only consider the first adapter")
+                active_adapter = active_adapters[0]
+
+                if adapter_subdirs:
+                    if os.path.exists(adapter_weights_file) or os.path.exists(adapter_safe_weights_file):
+                        model.load_adapter(
+                            resume_from_checkpoint, "default", is_trainable=(active_adapter == "default")
+                        )
+                    for subdir_name in adapter_subdirs:
+                        peft_id = os.path.join(resume_from_checkpoint, subdir_name)
+                        model.load_adapter(peft_id, subdir_name, is_trainable=(subdir_name == active_adapter))
+                    model.set_adapter(active_adapter)
+                else:
+                    model.load_adapter(resume_from_checkpoint, active_adapter, is_trainable=True)
+            else:
+                logger.warning(
+                    "The intermediate checkpoints of PEFT may not be saved correctly, "
+                    f"consider using a custom callback to save {ADAPTER_WEIGHTS_NAME} in corresponding saving folders. "
+                    "Check some examples here: https://github.com/huggingface/peft/issues/96"
+                )
+        else:
+            logger.warning(f"Could not load adapter model, make sure to have PEFT >= {MIN_PEFT_VERSION} installed")
+    else:
+        # We load the sharded checkpoint
+        load_result = load_sharded_checkpoint(model, resume_from_checkpoint, strict=is_sagemaker_mp_enabled())
+        if not is_sagemaker_mp_enabled():
+            self._issue_warnings_after_load(load_result)
+
+
+@fault(
+    "b9_16", target="hf", seam="accelerate.utils.operations.gather",
+    title="gather only gathers under MULTI_GPU: on a CPU (gloo) process group it returns the local tensor",
+    subsystem="distributed", also_acceptable=("loss", "eval"), trigger="multi-rank",
+    symptoms=("silent-quality", "eval-metric"),
+    explanation="gather tests distributed_type == MULTI_GPU instead of membership in the torch-distributed types, so "
+    "under MULTI_CPU (gloo) it silently returns this rank's tensor. Trainer gathers num_items_in_batch across "
+    "ranks (average_tokens_across_devices) and multiplies the loss by the world size: with the local count each "
+    "rank's loss is its own token mean times 2, DDP averages, and the gradient is ~2x the true mean (the logged "
+    "loss too). Evaluation's gathered losses cover rank 0's shard only. Nothing fails and one-process runs are "
+    "exact.",
+    fix="Gather whenever the state is any torch.distributed type (TORCH_DISTRIBUTED_OPERATION_TYPES), CPU included.",
+    references=(
+        "huggingface/transformers#34373: 'enable average tokens across devices' (num_items_in_batch gathered across "
+        "processes, loss multiplied by world_size)",
+        "huggingface/accelerate#575: gather_for_metrics wrongly computes metrics in distributed setup",
+    ),
+    manifest=Manifest(check="grad_norm_ratio", scenario="ddp", steps=4,
+                      params={"min_ratio": 1.5, "max_ratio": 3.0}),
+)
+def gather_only_multi_gpu(tensor):
+    """Only MULTI_GPU gathers: a gloo/CPU process group gets the local tensor back."""
+    if PartialState().distributed_type == DistributedType.XLA:
+        return _tpu_gather(tensor)
+    elif PartialState().distributed_type == DistributedType.MULTI_GPU:
+        return _gpu_gather(tensor)
+    else:
+        return tensor
+
+
+@fault(
+    "b9_17", target="hf", seam=f"{_TRAINER}.prediction_step",
+    title="Evaluation forward passes input_ids and labels only: the attention_mask is dropped",
+    subsystem="eval", also_acceptable=("mask",), trigger="eval-only", symptoms=("eval-metric",),
+    explanation="prediction_step rebuilds the inputs as {input_ids, labels} before compute_loss ('the loss only "
+    "needs those'). Training still gets the mask. With right padding nothing changes (pads come after every real "
+    "token and their labels are ignored), but with left padding every real token of the evaluation attends to "
+    "the pads before it: the eval loss measures another model than the one trained, and changes with the "
+    "padding of the batch.",
+    fix="Forward the whole batch (attention_mask included) in evaluation, exactly as in training.",
+    references=(
+        "HF transformers warning 'We strongly recommend passing in an `attention_mask` since your input_ids may "
+        "be padded' (modeling_utils.warn_if_padding_and_no_attention_mask)",
+        "seed 000: verify attention masks (causal vs padding) in every code path, evaluation included",
+    ),
+    manifest=Manifest(check="metric_differs", steps=16, variant={"recipe": "left_pad"}, params={"min_gap": 0.02}),
+)
+def prediction_step_without_mask(
+    self,
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor | Any],
+    prediction_loss_only: bool,
+    ignore_keys: list[str] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The evaluation forward gets input_ids and labels only: no attention_mask."""
+    has_labels = False if len(self.label_names) == 0 else all(inputs.get(k) is not None for k in self.label_names)
+    # For CLIP-like models capable of returning loss values.
+    # If `return_loss` is not specified or being `None` in `inputs`, we check if the default value of `return_loss`
+    # is `True` in `model.forward`.
+    return_loss = inputs.get("return_loss")
+    if return_loss is None:
+        return_loss = self.can_return_loss
+    loss_without_labels = len(self.label_names) == 0 and return_loss
+
+    inputs = self._prepare_inputs(inputs)
+    if ignore_keys is None:
+        if hasattr(self.model, "config"):
+            ignore_keys = getattr(self.model.config, "keys_to_ignore_at_inference", ["past_key_values"])
+        else:
+            ignore_keys = []
+
+    # labels may be popped when computing the loss (label smoothing for instance) so we grab them first.
+    if has_labels or loss_without_labels:
+        labels = nested_detach(tuple(inputs.get(name) for name in self.label_names))
+        if len(labels) == 1:
+            labels = labels[0]
+    else:
+        labels = None
+
+    with torch.no_grad():
+        if is_sagemaker_mp_enabled():
+            raw_outputs = smp_forward_only(model, inputs)
+            if has_labels or loss_without_labels:
+                if isinstance(raw_outputs, dict):
+                    loss_mb = raw_outputs["loss"]
+                    logits_mb = tuple(v for k, v in raw_outputs.items() if k not in ignore_keys + ["loss"])
+                else:
+                    loss_mb = raw_outputs[0]
+                    logits_mb = raw_outputs[1:]
+
+                loss = loss_mb.reduce_mean().detach().cpu()
+                logits = smp_nested_concat(logits_mb)
+            else:
+                loss = None
+                if isinstance(raw_outputs, dict):
+                    logits_mb = tuple(v for k, v in raw_outputs.items() if k not in ignore_keys)
+                else:
+                    logits_mb = raw_outputs
+                logits = smp_nested_concat(logits_mb)
+        else:
+            if has_labels or loss_without_labels:
+                # Count before sharding: `context_parallel` splits the buffers in place.
+                num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+                cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+                inputs = {"input_ids": inputs["input_ids"], "labels": inputs["labels"]}
+                with self.compute_loss_context_manager(), cp_context():
+                    if self.args.use_liger_kernel and prediction_loss_only:
+                        inputs = {**inputs, "skip_logits": True}
+                    loss, outputs = self.compute_loss(
+                        model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+                    )
+                loss = loss.detach().mean()
+
+                if isinstance(outputs, dict):
+                    logits = tuple(v for k, v in outputs.items() if k not in ignore_keys + ["loss"])
+                else:
+                    logits = outputs[1:]
+            else:
+                loss = None
+                with self.compute_loss_context_manager():
+                    outputs = model(**inputs)
+                if isinstance(outputs, dict):
+                    logits = tuple(v for k, v in outputs.items() if k not in ignore_keys)
+                else:
+                    logits = outputs
+
+    if prediction_loss_only:
+        return (loss, None, None)
+
+    logits = nested_detach(logits)
+    if len(logits) == 1:
+        logits = logits[0]
+
+    return (loss, logits, labels)
