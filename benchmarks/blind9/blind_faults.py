@@ -37,7 +37,7 @@ from faultbench.model.data import IGNORE_INDEX
     references=(
         "HF transformers GPT-2/Llama generation: position_ids = attention_mask.long().cumsum(-1) - 1 (the axis is "
         "the sequence; cf. huggingface/transformers#7552 on positions of left-padded batches)",
-        "seed 000: verify positional embeddings and assert tensor shapes/semantics of position ids",
+        "seeds/000_8394dc57ef2ba1c4.txt: verify positional embeddings and assert tensor shapes/semantics of position ids",
     ),
     manifest=Manifest(check="extra_at_least", scenario="generate", steps=30,
                       params={"key": "pad_logit_gap", "faulty_min": 1e-3, "clean_max": 1e-4}),
@@ -99,7 +99,7 @@ def mask_queries_not_offset(attention_mask: torch.Tensor, query_len: int, dtype:
     references=(
         "HF transformers PreTrainedModel._init_weights: norms are initialized separately (weight 1, bias 0) "
         "because a generic init over every 'weight' would zero them",
-        "seed 004: check the initialization of every parameter group (norm gains at 1) before training",
+        "seeds/004_171ac7c3cf29993a.txt: check the initialization of every parameter group (norm gains at 1) before training",
     ),
     manifest=Manifest(check="loss_above", steps=40, params={"min_gap": 0.1}),
 )
@@ -236,7 +236,7 @@ def optimizer_step_bypasses_scaler(optimizer, scaler, scheduler) -> bool:
     references=(
         "huggingface/transformers Trainer: RNG states are saved per process (rng_state_{process_index}.pth) "
         "because one shared file made every rank resume with process 0's generator",
-        "seed 000: check checkpoint/resume logic and randomness/seed control (per-rank seeds under DDP)",
+        "seeds/000_8394dc57ef2ba1c4.txt: check checkpoint/resume logic and randomness/seed control (per-rank seeds under DDP)",
     ),
     manifest=Manifest(check="extra_at_least", scenario="ddp_resume", steps=8, variant={"model": {"dropout": 0.1}},
                       params={"key": "resume_loss_diff", "faulty_min": 1e-4, "clean_max": 1e-6}),
@@ -319,7 +319,7 @@ def wrap_model_returns_module(model: torch.nn.Module, device: str) -> torch.nn.M
     references=(
         "pytorch/pytorch DistributedSampler / drop_last: the last incomplete batch of an epoch must be dropped or "
         "padded, or ranks see uneven batches",
-        "seed 000: intermittent shape errors 'often only after the run has been going for a while'",
+        "seeds/000_8394dc57ef2ba1c4.txt: intermittent shape errors 'often only after the run has been going for a while'",
     ),
     manifest=Manifest(check="crash", steps=14,
                       variant={"data": {"num_docs": 200, "val_fraction": 0.25}, "train": {"batch_size": 13}},
@@ -353,7 +353,7 @@ def next_indices_late_rollover(self) -> list[int]:
         "HF transformers docs, 'Perplexity of fixed-length models': the loss is averaged over the valid labels, "
         "and because the labels are shifted inside the model there is one valid label fewer per sequence than "
         "input tokens",
-        "seed 002: reproducibility and metric checks (a loss below the known floor is a bug, not progress)",
+        "seeds/002_8cab73739bcbd185.txt: reproducibility and metric checks (a loss below the known floor is a bug, not progress)",
     ),
     manifest=Manifest(check="loss_below", steps=30, params={"min_gap": 0.15, "metric": "val"}),
 )
@@ -744,7 +744,7 @@ def gather_only_multi_gpu(tensor):
     references=(
         "HF transformers warning 'We strongly recommend passing in an `attention_mask` since your input_ids may "
         "be padded' (modeling_utils.warn_if_padding_and_no_attention_mask)",
-        "seed 000: verify attention masks (causal vs padding) in every code path, evaluation included",
+        "seeds/000_8394dc57ef2ba1c4.txt: verify attention masks (causal vs padding) in every code path, evaluation included",
     ),
     manifest=Manifest(check="metric_differs", steps=16, variant={"recipe": "left_pad"}, params={"min_gap": 0.02}),
 )
