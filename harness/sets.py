@@ -1,8 +1,8 @@
 """The fault sets side by side: the registry, the unseen, blind and mutant sets, per target and track.
 
 Each set is scored by its own bench run into its own folder (``make bench`` -> results/, the unseen plugin ->
-results/unseen/, the blind plugins (benchmarks/blind/ to blind8/) -> results/blind/ to
-results/blind8/, ``bench --mutants`` -> results/mutants/); this
+results/unseen/, the blind plugins (benchmarks/blind/ to blind9/) -> results/blind/ to
+results/blind9/, ``bench --mutants`` -> results/mutants/); this
 reads their summary.json files and the bench rows of the mutant set, and renders one table (results/sets.md, and
 a section of the leaderboard) plus the mutant set's scores per operator and per subsystem
 (results/mutants/by_operator.md).
@@ -19,7 +19,7 @@ from faultbench.harness.score import BLACKBOX, SUITE
 
 SETS = (("registry", "."), ("unseen", "unseen"), ("blind", "blind"), ("blind2", "blind2"),  # name, results/ folder
         ("blind3", "blind3"), ("blind4", "blind4"), ("blind5", "blind5"), ("blind6", "blind6"),
-        ("blind7", "blind7"), ("blind8", "blind8"), ("mutants", "mutants"))
+        ("blind7", "blind7"), ("blind8", "blind8"), ("blind9", "blind9"), ("mutants", "mutants"))
 METRICS = (("detection_rate", "detection"), ("top1_subsystem", "top-1 subsystem"), ("top1_seam", "top-1 seam"),
            ("false_positive_rate", "FP"))
 TRACKS = (("white-box", "suite"), ("black-box", "blackbox"))
