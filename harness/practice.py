@@ -38,7 +38,7 @@ from faultbench.harness.exercise_check import parse_log
 from faultbench.harness.exercise_docs import exercise_docstring
 from faultbench.harness.offer_table import TABLE as OFFER_TABLE
 from faultbench.harness.offer_table import offered
-from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence
+from faultbench.harness.practice_level import DIFFICULTIES, NO_MORE_HINTS, difficulty, hints, readme_evidence, shown
 from faultbench.harness.practice_log import folder_secret, intact, sealed
 from faultbench.harness.practice_runs import reference_cached, run_train, train_args
 from faultbench.model.seams import SEAMS, SUBSYSTEMS
@@ -315,7 +315,8 @@ def new_exercise(directory, seed: int | None = None, fault: str | None = None, s
     write_text(directory / "README.md", readme(args, level, scrub_paths(log, directory), code, healthy))
     write_text(directory / "healthy_run.json", json.dumps({"args": args, **parse_log(healthy)}, indent=1) + "\n")
     write_key(directory, keys, {"fault": fault_id, "seed": seed, "args": args, "difficulty": level,
-                                "candidate": candidate, "max_answers": max_answers}, clock())
+                                "candidate": candidate, "max_answers": max_answers,
+                                "shown": shown(log, code, healthy)}, clock())
     return directory
 
 
@@ -376,7 +377,7 @@ def export_archive(directory, archive, keys=None) -> Path:
 def hint(directory, keys=None, clock: Clock = time.time) -> str:
     """The next staged hint (with the earlier ones); after the third, a note that there are no more."""
     key, path = _open_session(directory, keys)
-    stages = hints(get_fault(key["fault"]))
+    stages = hints(get_fault(key["fault"]), key.get("shown"))
     given = sum(e["kind"] == "hint" for e in key["events"])
     if given >= len(stages):
         return NO_MORE_HINTS

@@ -18,8 +18,11 @@ healthy run would give the cause away) and the healthy run's end numbers.
 from __future__ import annotations
 
 import csv
+import math
 from functools import cache
 from pathlib import Path
+
+from faultbench.harness.exercise_check import parse_log
 
 DIFFICULTIES = ("easy", "medium", "hard")
 _TRIGGER_COST = {"always": 0, "amp-only": 1, "eval-only": 1, "after-step": 1, "rare-batch": 2, "on-resume": 2,
@@ -49,7 +52,16 @@ SYMPTOM_HINTS = {
     "quality": "Nothing crashes, so test invariants on a tiny batch: the loss at initialization (about ln of the "
                "vocabulary), the same logits with and without padding, no token seeing the future, the labels "
                "being the inputs shifted by one.",
+    "schedule": "The logged learning rate is not a healthy run's: put the two lr columns side by side and work out "
+                "the schedule each one follows (warmup length, peak, floor, how often it is advanced).",
 }
+# what a measured first difference adds in front of the class's hint
+FIRST_STEP = {
+    "quality": "The loss differs from a healthy run's at step 0, before any update: the forward pass or the batch "
+               "is not the same. ",
+    "divergence": "The first {step} step(s) match a healthy run, so one forward pass is fine. ",
+}
+LOSS_TOL, LR_RTOL = 2e-4, 1e-3  # train.py prints the loss to 4 decimals and the lr to 3 significant digits
 TRIGGER_HINTS = {
     "always": "",
     "amp-only": " It shows only in reduced precision: run the same job in fp32 and compare.",
@@ -60,6 +72,55 @@ TRIGGER_HINTS = {
     "multi-rank": " It needs two processes: one rank alone behaves.",
 }
 NO_MORE_HINTS = "There are no more hints: the three above are all there is."
+
+
+def _steps(log: str) -> list[dict[str, float]]:
+    """train.py's step lines as {column: value} (``step 3  loss 5.1  grad_norm 0.8  lr 1.00e-03  scale 1``)."""
+    out = []
+    for line in log.splitlines():
+        words = line.split()
+        if line.startswith("step ") and len(words) >= 4 and len(words) % 2 == 0:
+            try:
+                out.append({words[i]: float(words[i + 1]) for i in range(2, len(words), 2)})
+            except ValueError:
+                continue
+    return out
+
+
+def _first(pairs, differs) -> int | None:
+    return next((i for i, (a, b) in enumerate(pairs) if differs(a, b)), None)
+
+
+def shown(log: str, code: int | None, healthy: str) -> dict:
+    """What the colleague's run shows next to the healthy one, measured from the two logs: whether it crashed,
+    the first step with a non-finite loss or gradient norm, the first step whose loss and whose learning rate
+    differ, and whether the validation loss differs. Hint 1 is chosen from it (``hints``)."""
+    ours, theirs = _steps(log), _steps(healthy)
+    pairs = list(zip(ours, theirs, strict=False))
+    finite = [math.isfinite(s.get("loss", 0.0)) and math.isfinite(s.get("grad_norm", 0.0)) for s in ours]
+    validation, healthy_validation = parse_log(log)["validation"], parse_log(healthy)["validation"]
+    return {
+        "crashed": bool(code) and "Traceback" in log,
+        "nonfinite_step": finite.index(False) if False in finite else None,
+        "loss_step": _first(pairs, lambda a, b: not abs(a.get("loss", 0.0) - b.get("loss", 0.0)) <= LOSS_TOL),
+        "lr_step": _first(pairs, lambda a, b: not math.isclose(a.get("lr", 0.0), b.get("lr", 0.0), rel_tol=LR_RTOL)),
+        "validation_differs": healthy_validation is not None and not (
+            validation is not None and abs(validation - healthy_validation) <= LOSS_TOL),
+    }
+
+
+def measured_class(seen: dict) -> str | None:
+    """The symptom class the run shows (None: nothing in the logs tells; the declared class then)."""
+    lr, loss = seen["lr_step"], seen["loss_step"]
+    if seen["nonfinite_step"] is not None:
+        return "nan"
+    if seen["crashed"]:
+        return "crash"
+    if lr is not None and (loss is None or lr <= loss):
+        return "schedule"
+    if loss is not None:
+        return "quality" if loss == 0 else "divergence"
+    return "eval-metric" if seen["validation_differs"] else None
 
 
 def symptom_class(spec) -> str:
@@ -118,11 +179,22 @@ def difficulty(spec, results: Path) -> str:
     return "easy" if cost <= 1 else "medium" if cost <= 3 else "hard"
 
 
-def hints(spec) -> list[str]:
-    """The three staged hints: the symptom class (and its trigger), the subsystem, the seam."""
+def first_hint(spec, seen: dict | None = None) -> str:
+    """Hint 1: what to look at for the symptom the run shows (``seen``: ``shown``'s measurement; None: the
+    fault's declared symptom), with the trigger's remark only where the run agrees with it (a bug that parts from
+    the healthy run at step 0 is not one that "only some batches" or "the step after" trigger)."""
+    cls = (measured_class(seen) if seen else None) or symptom_class(spec)
+    prefix = FIRST_STEP.get(cls, "").format(step=(seen or {}).get("loss_step"))
+    from_start = bool(seen) and 0 in (seen["loss_step"], seen["nonfinite_step"])
+    trigger = "" if from_start and spec.trigger in ("rare-batch", "after-step") else TRIGGER_HINTS[spec.trigger]
+    return f"Hint 1 ({cls}): {prefix if seen else ''}{SYMPTOM_HINTS[cls]}{trigger}"
+
+
+def hints(spec, seen: dict | None = None) -> list[str]:
+    """The three staged hints: the symptom (as the run shows it, ``first_hint``), the subsystem, the seam."""
     seams = " and ".join(f"`{s.rsplit('.', 1)[-1]}` in `{'/'.join(s.split('.')[:2])}.py`" for s in spec.seams)
     return [
-        f"Hint 1 ({symptom_class(spec)}): {SYMPTOM_HINTS[symptom_class(spec)]}{TRIGGER_HINTS[spec.trigger]}",
+        first_hint(spec, seen),
         f"Hint 2 (the subsystem): look in `{spec.subsystem}` (`python check.py --seams` lists its functions).",
         f"Hint 3 (the function): {seams}.",
     ]

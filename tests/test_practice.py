@@ -188,6 +188,44 @@ def test_first_hint_is_specific_to_the_symptom_class_and_trigger():
     assert "fp32" in first["missing_unscale_before_clip"] and "traceback" in first["ignore_index_mismatch"]
 
 
+def _log(rows, validation=5.0):
+    return "".join(f"step {i:4d}  loss {loss:.4f}  grad_norm {g:.4f}  lr {lr:.2e}  scale 1\n"
+                   for i, (loss, g, lr) in enumerate(rows)) + f"validation loss {validation}\n"
+
+
+HEALTHY = _log([(5.5, 3.0, 1e-4), (5.4, 2.9, 2e-4), (5.3, 2.8, 3e-4), (5.2, 2.7, 4e-4)])
+
+
+@pytest.mark.parametrize("rows, validation, fault_id, says, not_says", [
+    # the schedule runs ahead from step 1, the loss parts later: the learning rate, not data or model invariants
+    ([(5.5, 3.0, 1e-4), (5.4, 2.9, 5e-4), (5.2, 2.8, 9e-4), (5.1, 2.7, 1e-3)], 5.0, "lr_schedule_horizon_wrong",
+     "Hint 1 (schedule)", "padding"),
+    # NaN at step 0 from a bug declared as triggered by rare batches: no "only some batches"
+    ([(float("nan"), float("nan"), 1e-4)] * 4, 5.0, "mask_keep_convention_in_attention", "Hint 1 (nan)",
+     "Only some batches"),
+    ([(5.6, 3.0, 1e-4), (5.5, 2.9, 2e-4), (5.4, 2.8, 3e-4), (5.3, 2.7, 4e-4)], 5.0, "label_permute",
+     "step 0, before any update", "first 0 step"),
+    ([(5.5, 3.0, 1e-4), (5.4, 2.9, 2e-4), (5.3, 2.8, 3e-4), (5.9, 2.7, 4e-4)], 5.0, "optimizer_state_not_restored",
+     "The first 3 step(s) match", "step 0, before"),
+    ([(5.5, 3.0, 1e-4), (5.4, 2.9, 2e-4), (5.3, 2.8, 3e-4), (5.2, 2.7, 4e-4)], 4.2, "eval_in_train_mode",
+     "Hint 1 (eval-metric)", "learning rate"),
+])
+def test_first_hint_follows_what_the_run_shows(rows, validation, fault_id, says, not_says):
+    from faultbench.harness.practice_level import shown
+
+    first = hints(FAULTS[fault_id], shown(_log(rows, validation), 0, HEALTHY))[0]
+    assert says in first and not_says not in first, first
+
+
+def test_an_exercise_hands_the_measured_first_hint(tmp_path):
+    """A real schedule bug: the key keeps what the run showed, and the candidate's first hint is about the
+    learning rate (the declared "silent-quality" would have sent them to padding and causal masks)."""
+    folder = practice.new_exercise(tmp_path / "ex", fault="lr_schedule_horizon_wrong", keys=tmp_path / "keys")
+    first = practice.hint(folder, keys=tmp_path / "keys")
+    assert first.startswith("Hint 1 (schedule)") and "padding" not in first
+    assert "padding" in hints(FAULTS["lr_schedule_horizon_wrong"])[0]  # the declared class's text
+
+
 def test_hard_readme_shows_no_gradient_norm_or_scale():
     """The unscale-before-clip case is solved by dividing the logged norm by the scale: a hard README shows the
     loss column only, and of the healthy run only its end numbers."""
