@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import warnings
 
 MODULES = ("collections", "json", "os", "re", "string", "textwrap", "argparse", "functools", "itertools",
            "pathlib", "random", "statistics", "typing", "dataclasses", "contextlib", "heapq", "bisect", "shutil",
@@ -24,7 +25,9 @@ def documents(seed: int, count: int = 400) -> list[str]:
     for name in MODULES:
         module = importlib.import_module(name)
         texts = [module.__doc__ or ""]
-        texts += [getattr(v, "__doc__", None) for k, v in sorted(vars(module).items()) if not k.startswith("_")]
+        with warnings.catch_warnings():  # typing's deprecated aliases warn when read
+            warnings.simplefilter("ignore", DeprecationWarning)
+            texts += [getattr(v, "__doc__", None) for k, v in sorted(vars(module).items()) if not k.startswith("_")]
         texts = [t for t in texts if isinstance(t, str)]
         for text in texts:
             for para in text.split("\n\n"):

@@ -49,9 +49,10 @@ def bugs_of(program: str) -> list[Bug]:
 
 
 def run_case(program: Program, seed: int, label: str, bug: Bug | None = None, mode: str | None = None,
-             golden: Path | None = None, save: bool = False) -> dict:
-    """One run; its result as wild.attach writes it (plus "folder", "returncode"). ``mode="none"``: no watch."""
-    folder = WORK / program.name / label
+             golden: Path | None = None, save: bool = False, work: Path = WORK) -> dict:
+    """One run in ``work/<program>/<label>``; its result as wild.attach writes it (plus "folder", "returncode").
+    ``mode="none"``: no watch."""
+    folder = Path(work) / program.name / label
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     program.prepare(folder, seed)
