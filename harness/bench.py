@@ -36,6 +36,7 @@ from faultbench import targets
 from faultbench.detectors.api import all_detectors, black_box_suite_ids, resolve_ids, suite_ids
 from faultbench.harness.atomic import write_text
 from faultbench.harness.case import behaviour, execute
+from faultbench.harness.costs import write_costs
 from faultbench.harness.detect import detector_groups
 from faultbench.harness.digest import case_hash, code_digest
 from faultbench.harness.launch import die_with_parent
@@ -231,20 +232,33 @@ def preload(cases: list[Case]) -> tuple[str, ...]:
 
 
 class Progress:
+    """Cases done, on stderr: a tqdm bar where tqdm is installed (it comes with the bench extra's transformers),
+    else a plain line per case. ``named=False`` (a blind set) shows no case's name."""
+
     def __init__(self, total: int, enabled: bool, named: bool = True):
         self.total, self.enabled, self.named, self.done, self.start = total, enabled, named, 0, time.monotonic()
+        self.bar = None
+        if enabled and total:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, unit="case", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
     def update(self, label: str) -> None:
         self.done += 1
         if not self.enabled:
             return
         label = label if self.named else ""
+        if self.bar is not None:
+            self.bar.set_postfix_str(label[:50], refresh=False)
+            self.bar.update()
+            if self.done == self.total:
+                self.bar.close()
+            return
         elapsed = time.monotonic() - self.start
         eta = elapsed / self.done * (self.total - self.done)
-        width = 30
-        filled = int(width * self.done / max(self.total, 1))
-        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:5.0f}s eta {eta:4.0f}s "
-              f"{label[:50]:<50}", end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
+        print(f"{self.done}/{self.total} {elapsed:.0f}s eta {eta:.0f}s {label}".rstrip(), file=sys.stderr, flush=True)
 
 
 # what a cached record must hold for the scorer (harness.score.case_rows) and mark_manifested to read it
@@ -328,6 +342,24 @@ def keep(case: Case, record: dict, digest: str) -> None:
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the matrix (cached cases reused), score it, write results/, return summary.json's object."""
+    start = time.monotonic()
+    cases, faults = nonempty_matrix(cfg)
+    records, cached = run_cases(cfg, cases)
+    return score_records(records, cases, faults, cfg, wall_s=time.monotonic() - start, cached=cached)
+
+
+def nonempty_matrix(cfg: BenchConfig) -> tuple[list[Case], dict[str, dict]]:
+    """``build_matrix``, refused in one line (ValueError) when it holds no case: an empty bench must not replace
+    existing results."""
+    cases, faults = build_matrix(cfg)
+    if not cases:
+        raise ValueError("the bench matrix is empty (no fault and no clean case to run): nothing written")
+    return cases, faults
+
+
+def run_cases(cfg: BenchConfig, cases: list[Case]) -> tuple[dict[Case, dict], int]:
+    """Every case's record (cached ones reused, the others run and cached) and how many came from the cache;
+    a failure of the machinery in any case is refused (``refuse_machinery_failures``)."""
     from faultbench.harness.golden import load_golden
     from faultbench.harness.launch import RankPool
 
@@ -335,10 +367,6 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.blind:  # a warning of a blind fault's code names its file and line: none is shown (the workers inherit it)
         warnings.simplefilter("ignore")
         os.environ["PYTHONWARNINGS"] = "ignore"
-    start = time.monotonic()
-    cases, faults = build_matrix(cfg)
-    if not cases:  # before anything is run or written: an empty bench must not replace existing results
-        raise ValueError("the bench matrix is empty (no fault and no clean case to run): nothing written")
     digest = code_digest(cfg.plugins)
     records, todo = cached_or_todo(cases, digest, cfg.use_cache and cfg.bundles is None)
     progress = Progress(len(cases), cfg.progress, named=not cfg.blind)
@@ -376,9 +404,14 @@ def run_bench(cfg: BenchConfig) -> dict:
         if pool is not None:
             pool.close()
     refuse_machinery_failures(records)
+    return records, len(cases) - len(todo)
+
+
+def score_records(records: dict[Case, dict], cases: list[Case], faults: dict[str, dict], cfg: BenchConfig,
+                  wall_s: float, cached: int) -> dict:
+    """Mark which faults showed, score ``cases``' records in the matrix's order and write the results."""
     mark_manifested(records)
-    return score_and_write([records[c] for c in cases], faults, cfg, wall_s=time.monotonic() - start,
-                           cached=len(cases) - len(todo))
+    return score_and_write([records[c] for c in cases], faults, cfg, wall_s=wall_s, cached=cached)
 
 
 def mark_manifested(records: dict[Case, dict]) -> None:
@@ -433,4 +466,5 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
                "goals": {track: {k: list(v) for k, v in goals.items()} for track, goals in GOALS.items()},
                "targets": per_target}
     write_results(cfg.out, rows, summary, timings, faults, registry, sets_section(Path(cfg.out), summary))
+    write_costs(Path(cfg.out) / "costs.json", records, cfg.timeout_s)
     return summary

@@ -3,7 +3,9 @@
 ``run_target_case`` loads the case's plugins, injects its faults and hands the recipe to the target's
 ``run_case`` (``faultbench.targets``); ``execute`` does it here for a one-process recipe, or on every rank of a
 pool for a data-parallel one, and merges the ranks' findings. A rank failure (raise, death, hang) is a crash
-record. ``behaviour`` is what a run did, the bench's evidence that a fault showed.
+record. The warnings a run raises go into its record (``"warnings"``, each once), never onto the bench's
+terminal; the filters in force decide which (a blind bench ignores them all). ``behaviour`` is what a run did,
+the bench's evidence that a fault showed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import tempfile
+import warnings
 
 import torch
 
@@ -42,9 +45,10 @@ def run_target_case(case: Case, golden: dict | None = None, rank: int = 0, workd
     stack = targets.get(case.target)
     options = {"capture_dir": capture_dir} if capture_dir is not None and stack.captures else {}
     random.seed(case.seed)
-    with injected(*case.faults):
+    with injected(*case.faults), warnings.catch_warnings(record=True) as caught:  # the record's, not the terminal's
         record = stack.run_case(case.recipe, case.seed, case.detectors, golden, rank, workdir, **options)
     record["case"] = case.to_dict()
+    record["warnings"] = list(dict.fromkeys(f"{w.category.__name__}: {w.message}" for w in caught))
     return record
 
 
@@ -77,6 +81,7 @@ def execute(case: Case, golden: dict | None = None, pool=None, timeout_s: float 
                 seen.add((f["detector"], f["subsystem"], f["seam"]))
                 out["findings"].append({**f, "evidence": {**f["evidence"], "rank": other["rank"]}})
         out["crash"] = out["crash"] or other["crash"]
+        out["warnings"] = list(dict.fromkeys(out["warnings"] + other["warnings"]))
         for d, err in other["detector_errors"].items():
             out["detector_errors"].setdefault(d, f"rank {other['rank']}: {err}")
     out["findings"].sort(key=rank_key)

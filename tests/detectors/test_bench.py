@@ -240,10 +240,17 @@ def _csv(path):
         return list(csv.DictReader(f))
 
 
-def test_a_blind_bench_names_no_case_in_its_progress(capsys):
+@pytest.mark.parametrize("tqdm", [True, False], ids=["tqdm", "no-tqdm"])
+def test_progress_is_a_bar_or_plain_lines_and_a_blind_bench_names_no_case(capsys, monkeypatch, tqdm):
     from faultbench.harness.bench import Progress
 
+    if not tqdm:  # the core install (torch, numpy) has no tqdm: plain lines
+        monkeypatch.setitem(sys.modules, "tqdm", None)
     for named in (True, False):
-        Progress(2, enabled=True, named=named).update("blind_fault_x-s0")
-    first, second = capsys.readouterr().err.split("\r")[1:]
-    assert "blind_fault_x" in first and "blind_fault_x" not in second and "1/2" in second
+        progress = Progress(2, enabled=True, named=named)
+        progress.update("blind_fault_x-s0")
+        progress.update("blind_fault_x-s1")
+        err = capsys.readouterr().err
+        assert ("blind_fault_x-s1" in err) == named and "2/2" in err and ("\r" in err) == tqdm
+        if not tqdm:
+            assert [line.split()[0] for line in err.splitlines()] == ["1/2", "2/2"]
