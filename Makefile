@@ -129,7 +129,7 @@ lint: setup
 	$(PY) -m ruff check .
 
 # results/index.html in headless Chromium (Debian: apt-get install chromium): every table renders and sorts, and a
-# screenshot lands in .cache/page.png. `python -m faultbench.harness.page results` redraws the page and figures.
+# screenshot lands in .cache/page.png. `faultbench page` redraws the page and figures.
 check-page: setup
 	$(PY) -m faultbench.harness.check_page results/index.html --screenshot .cache/page.png
 

@@ -449,7 +449,7 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
                     cached: int = 0) -> dict:
     """Score every target apart (summary.json's "targets"), write the results, return the summary."""
     from faultbench.harness.report import write_results
-    from faultbench.harness.sets import sets_section
+    from faultbench.harness.sets import sets_rows, sets_section
 
     registry = all_detectors()
     passive = {d: cls.passive for d, cls in registry.items()}  # detector id -> its step hooks count in overhead
@@ -465,6 +465,7 @@ def score_and_write(records: list[dict], faults: dict[str, dict], cfg: BenchConf
     summary = {"cases": len(records), "faults": len(faults), "seeds": list(cfg.seeds),
                "goals": {track: {k: list(v) for k, v in goals.items()} for track, goals in GOALS.items()},
                "targets": per_target}
-    write_results(cfg.out, rows, summary, timings, faults, registry, sets_section(Path(cfg.out), summary))
+    write_results(cfg.out, rows, summary, timings, faults, registry, sets_section(Path(cfg.out), summary),
+                  sets_rows(Path(cfg.out), registry=summary))
     write_costs(Path(cfg.out) / "costs.json", records, cfg.timeout_s)
     return summary

@@ -38,6 +38,7 @@ COMMANDS = {name: Command(f"faultbench.harness.commands.{name}", text) for name,
     ("detectors", "list the registered detectors"),
     ("bench", "every fault x seeds plus the clean matrix, scored; writes results/ (or one shard of it)"),
     ("merge", "the shards of a bench --shard K/N, scored as one bench; writes results/"),
+    ("page", "redraw a results folder's figures and index.html from its bench.csv"),
     ("golden", "golden envelopes of your own loop, from its known-good runs"),
     ("contracts", "the contract catalogue: what every correct causal-LM run keeps, per component and kind, with the "
                   "detectors that check each and the coverage"),

@@ -3,18 +3,14 @@
 No server, no CDN: the styles, the script and the summary figure are inlined, the heatmaps are the PNG files beside
 it. Sortable tables (click a header) of the headline per target and track, of the fault sets, and of each target
 and track's detectors; a drill-down per fault (its diff, the real bug it models, each detector's top finding per
-seed) and per detector (its scores and the faults it found). ``make check-page`` opens it in headless Chromium.
-
-    python -m faultbench.harness.page [DIR]   # redraw DIR's figures and page from its bench.csv (default results)
+seed) and per detector (its scores and the faults it found). ``make check-page`` opens it in headless Chromium;
+``faultbench page [DIR]`` redraws a folder's figures and page from its bench.csv.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
-import sys
-from pathlib import Path
 
 from faultbench.harness.figures import (
     HEADLINE,
@@ -200,30 +196,3 @@ def render(rows: list[dict], faults: dict[str, dict], registry, set_rows: list[d
     files = {"summary.png": figure, **heatmaps(rows, faults, registry)}
     files["index.html"] = page(rows, faults, registry, set_rows, figure, list(files)).encode()
     return files
-
-
-def main(argv=None) -> int:
-    from faultbench.detectors.api import all_detectors
-    from faultbench.faults.registry import all_faults, load_plugin
-    from faultbench.harness.atomic import write_bytes
-    from faultbench.harness.sets import read_rows, sets_rows
-
-    parser = argparse.ArgumentParser(description="Redraw a results folder's figures and index.html from its bench.csv")
-    parser.add_argument("out", nargs="?", default="results", type=Path)
-    parser.add_argument("--plugin", action="append", default=[], help="the plugin whose faults the folder scored")
-    args = parser.parse_args(argv)
-    out = args.out
-    if not (out / "bench.csv").is_file():
-        print(f"error: {out}/bench.csv not found: run `make bench` first", file=sys.stderr)
-        return 2
-    for plugin in args.plugin:
-        load_plugin(plugin)
-    faults = {k: v.metadata() for k, v in all_faults(None).items()}
-    for name, data in render(read_rows(out / "bench.csv"), faults, all_detectors(), sets_rows(out)).items():
-        write_bytes(out / name, data)
-    print(f"wrote {out}/index.html, summary.png and the heatmaps")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -229,19 +229,19 @@ def blind_spot_lines(summary: dict) -> list[str]:
 
 
 def write_results(out: Path, rows: list[dict], summary: dict, timings: dict, faults: dict[str, dict],
-                  registry, extra: list[str] = ()) -> None:
+                  registry, extra: list[str] = (), set_rows: list[dict] = ()) -> None:
     """Every output rendered first, then each file replaced atomically: a failure while rendering leaves the
-    previous results whole. ``extra``: lines the leaderboard ends its overview with."""
+    previous results whole. ``extra``: lines the leaderboard ends its overview with; ``set_rows``: the fault sets
+    side by side (``harness.sets.sets_rows``) for the summary figure and the page."""
     if not rows:
         raise ValueError(f"the bench produced no case: nothing written, {out}/ left as it was")
     from faultbench.harness.page import render
-    from faultbench.harness.sets import sets_rows
 
     files = {"bench.csv": csv_text(rows).encode(), "timings.csv": csv_text(rows, TIMING_COLUMNS).encode(),
              "summary.json": (json.dumps(summary, indent=2) + "\n").encode(),
              "timings.json": (json.dumps(timings, indent=2) + "\n").encode(),
              "leaderboard.md": leaderboard(summary, faults, registry, extra).encode(),
-             **render(rows, faults, registry, sets_rows(Path(out), registry=summary))}
+             **render(rows, faults, registry, list(set_rows))}
     for name, data in files.items():
         write_bytes(Path(out) / name, data)
 

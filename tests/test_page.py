@@ -124,3 +124,17 @@ def test_every_table_sorts_both_ways_in_chromium_and_a_page_without_its_script_d
     assert any("does not sort" in p for p in check_page.problems(check_page.sort_report(broken, check_page.chromium())))
     shot = check_page.screenshot(good, check_page.chromium(), tmp_path / "page.png")
     assert _png_size(shot.read_bytes()) == (1280, 1600)
+
+
+def test_the_page_command_redraws_a_folder_from_its_bench_csv(bench, tmp_path, capsys):
+    from faultbench.harness.cli import main
+    from faultbench.harness.report import csv_text
+
+    rows, *_ = bench
+    (tmp_path / "bench.csv").write_text(csv_text(rows))
+    assert main(["page", str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"bench.csv", "summary.png", "index.html", "heatmap_ref_white.png",
+                                                    "heatmap_ref_black.png"}
+    assert "fault-label-permute" in (tmp_path / "index.html").read_text()
+    assert main(["page", str(tmp_path / "nothing")]) == 2
+    assert "bench.csv not found" in capsys.readouterr().err
