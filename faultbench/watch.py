@@ -166,6 +166,7 @@ class Watch:
         self._grad_handles: dict = {}
         self._eval_handles: list = []  # after exit: forward hooks for evaluations only (watch_evaluations)
         self._eval_call = False  # the forward in flight is an evaluation one (its hook time is not step time)
+        self._metrics_call = False  # the forward in flight re-runs the step's training batch for its metrics
         self._callers: dict[bool, dict | None] = {}  # training (False) / evaluation (True) forwards -> their caller
         self._eval_docs = 0  # documents of the evaluation forwards since the last reported evaluation loss
         self._forward_hooks = (self._before_forward, self._after_forward)
@@ -425,10 +426,20 @@ class Watch:
             self._saved_at = self.ctx.step
             self._fire("on_save", self.ctx)
 
+    def _metrics_forward(self, batch: dict) -> bool:
+        """A forward without gradients on the very batch this step trained on, before the step: the loop computing
+        metrics of its training batch (TRL's SFTTrainer does, for its token accuracy), not an evaluation."""
+        ids, last = batch.get("input_ids"), (self.ctx.last_batch or {}).get("input_ids")
+        return bool(self._micro) and isinstance(ids, torch.Tensor) and isinstance(last, torch.Tensor) \
+            and ids.shape == last.shape and bool(torch.equal(ids, last))
+
     def _before_forward(self, module, args, kwargs) -> None:
         self._eval_call = not (torch.is_grad_enabled() and module.training)
-        self.ctx.phase = "eval forward" if self._eval_call else "forward"
         self._pending = self.ctx.pending_batch = normalize_call(self._positional, args, kwargs)
+        self._metrics_call = self._eval_call and self._metrics_forward(self._pending)
+        self.ctx.phase = "eval forward" if self._eval_call else "forward"
+        if self._metrics_call:
+            return
         if self._eval_call not in self._callers:  # the code that calls the model, once a kind: where its loss is made
             self._callers[self._eval_call] = caller_place(2)
         if self.ctx.rng_at_start is None and torch.is_grad_enabled() and module.training:
@@ -460,7 +471,7 @@ class Watch:
             if isinstance(logits, torch.Tensor) and logits.requires_grad and (implied_loss or self._listening(
                     "on_backward")):
                 self._hook_logits(batch, logits, implied_loss)
-        else:
+        elif not self._metrics_call:
             self._eval_fingerprint(batch)
             self._fire("on_eval_forward", self.ctx, batch, logits)
 

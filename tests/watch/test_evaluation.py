@@ -118,6 +118,36 @@ def test_short_evaluation_documents_that_were_trained_on_are_an_overlap():
     assert [(f.detector, f.subsystem, f.where) for f in w.findings] == [("bb_eval_overlap", "eval", "eval")]
 
 
+def _metrics_reforward_run(golden=None, same_batch: bool = True):
+    """As ``_short_rows_run``, but each step also runs a batch under no_grad before the step, for its metrics: the
+    batch it just trained on (``same_batch``; TRL's SFTTrainer does so for its token accuracy) or the next one."""
+    model, optimizer, _ = build(CFG, seed=0)
+    train_rows = _rows(1, 0)
+    with faultbench.watch(model, optimizer, golden=golden, report=False) as w:
+        for i in range(4):
+            x = train_rows[4 * i: 4 * i + 4]
+            _, loss = model(x, x.roll(-1, 1))
+            loss.backward()
+            with torch.no_grad():
+                model(x if same_batch else train_rows[(4 * i + 4) % 16: (4 * i + 4) % 16 + 4])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            model(_rows(7, 3))
+    return w
+
+
+def test_a_no_grad_forward_on_the_batch_just_trained_is_metrics_not_an_evaluation():
+    """Only the 16 held-out rows count as evaluated; another batch's no-grad forward before the step still does
+    (the watch cannot tell it from an evaluation), so its trained-on rows show as an overlap."""
+    golden = faultbench.record_golden([_short_rows_run(_rows(7, 3))])
+    w = _metrics_reforward_run(golden)
+    assert w.findings == [] and w.ctx.history[-1].evals == [16, 0]
+    other = _metrics_reforward_run(golden, same_batch=False)
+    assert sum(r.evals[0] for r in other.ctx.history if r.evals) > 16
+
+
 class _DoubledEvalLoss(TrainerCallback):
     """A callback before faultbench's that doubles the reported eval_loss once ``on``: a wrongly scaled metric."""
 
