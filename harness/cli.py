@@ -86,6 +86,8 @@ _ONLY_WITH = [
         ("--difficulty", lambda a: a.difficulty))),
     ("bench", "--costs", lambda a: a.costs is not None, lambda a: a.shard is not None,
      "with --shard (the table the matrix is cut by)"),
+    ("bench", "--junit", lambda a: a.junit is not None, lambda a: a.shard is None,
+     "without --shard (a shard writes no scores: give --junit to merge)"),
     ("practice export", "--force", lambda a: a.force, lambda a: a.archive is not None,
      "with --archive (the file it replaces)"),
     ("practice report", "--force", lambda a: a.force, lambda a: a.out is not None, "with --out (the file it replaces)"),

@@ -93,24 +93,64 @@ def score_table(scores: dict, registry) -> list[str]:
 SUITES = ((SUITE, "suite", "white-box"), (BLACKBOX, "blackbox", "black-box"))
 
 
+def goal_checks(scores: dict, goals: dict, timings: dict | None = None) -> list[dict]:
+    """One target's track suites against their goals (``goals``: row name -> goal -> [op, value]): {track, goal,
+    wanted, measured, met} each; a timing goal (overhead) is judged only with ``timings`` (met None without: the
+    leaderboard leaves it to timings.json, so that it stays byte-identical across re-runs)."""
+    out = []
+    for name, key, track in SUITES:
+        if not scores.get(key) or name not in goals:
+            continue
+        suite = {**scores[key], **(timings or {}).get(name, {})}
+        for goal, (op, wanted) in goals[name].items():
+            value = None if goal in TIMING_KEYS and timings is None else suite.get(goal)
+            met = None if goal in TIMING_KEYS and timings is None else (
+                value is not None and (value >= wanted if op == ">=" else value <= wanted))
+            out.append({"track": track, "goal": f"{name}.{goal}", "wanted": f"{op} {wanted}", "measured": value,
+                        "met": met})
+    return out
+
+
 def goal_lines(scores: dict, goals: dict, timings: dict | None = None) -> list[str]:
-    """One target's track suites against their goals (``goals``: row name -> goal -> [op, value]) as a markdown
-    table; a timing goal (overhead) is judged only with ``timings`` (the leaderboard leaves it to timings.json,
-    so that it stays byte-identical across re-runs)."""
-    ran = [(name, track, scores[key]) for name, key, track in SUITES if scores.get(key) and name in goals]
-    if not ran:  # e.g. a peer tool's run: the goals are the suites'
+    """``goal_checks`` as a markdown table."""
+    checks = goal_checks(scores, goals, timings)
+    if not checks:  # e.g. a peer tool's run: the goals are the suites'
         return ["No suite detector ran in this bench, so the suites' goals do not apply."]
-    lines = ["| track | goal | wanted | measured | met |", "|---|---|---|---|---|"]
-    for name, track, measured in ran:
-        suite = {**measured, **(timings or {}).get(name, {})}
-        for key, (op, goal) in goals[name].items():
-            if key in TIMING_KEYS and timings is None:
-                lines.append(f"| {track} | {name}.{key} | {op} {goal} | a timing: see timings.json | - |")
-                continue
-            value = suite.get(key)
-            met = value is not None and (value >= goal if op == ">=" else value <= goal)
-            lines.append(f"| {track} | {name}.{key} | {op} {goal} | {_fmt(value)} | {'yes' if met else 'NO'} |")
-    return lines
+    return ["| track | goal | wanted | measured | met |", "|---|---|---|---|---|"] + [
+        f"| {c['track']} | {c['goal']} | {c['wanted']} | "
+        f"{'a timing: see timings.json' if c['met'] is None else _fmt(c['measured'])} | "
+        f"{'-' if c['met'] is None else 'yes' if c['met'] else 'NO'} |" for c in checks]
+
+
+def junit_xml(summary: dict, timings: dict) -> str:
+    """The bench as JUnit XML for a CI gate: a testsuite per target, a testcase per goal of its track suites (a
+    failure when unmet) and per detector (a failure when it fired on a clean case: a false positive)."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.Element("testsuites", name="faultbench.bench")
+    for target, scores in summary["targets"].items():
+        suite = ET.SubElement(root, "testsuite", name=f"faultbench.bench.{target}")
+        cases = []
+        for c in goal_checks(scores, summary["goals"], timings.get("detectors", {}).get(target, {})):
+            case = ET.SubElement(suite, "testcase", classname=f"faultbench.bench.{target}.goals",
+                                 name=f"{c['track']} {c['goal']} {c['wanted']}")
+            if not c["met"]:
+                ET.SubElement(case, "failure", type="goal", message=f"measured {_fmt(c['measured'])}")
+            cases.append(case)
+        for detector, s in sorted(scores.get("detectors", {}).items()):  # none in a blind set's aggregates
+            case = ET.SubElement(suite, "testcase", classname=f"faultbench.bench.{target}.false_positives",
+                                 name=detector)
+            if not s.get("clean_cases"):
+                ET.SubElement(case, "skipped", message="it ran on no clean case")
+            elif s.get("false_positive_rate"):
+                ET.SubElement(case, "failure", type="false positive",
+                              message=f"fired on {s['false_positive_rate']:.3f} of {s['clean_cases']} clean cases")
+            cases.append(case)
+        suite.set("tests", str(len(cases)))
+        for kind, attr in (("failure", "failures"), ("skipped", "skipped")):
+            suite.set(attr, str(sum(c.find(kind) is not None for c in cases)))
+        suite.set("errors", "0")
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
 SIDE_BY_SIDE = (("detection_rate", "detect"), ("false_positive_rate", "FP"), ("top1_subsystem", "top1 sub"),

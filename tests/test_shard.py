@@ -53,7 +53,7 @@ def _refused(capture, argv, expect):
 
 def test_three_shards_merged_equal_one_bench_byte_for_byte(small, capfd):
     whole, merged = small / "whole", small / "merged"
-    assert main([*BENCH, "--out", str(whole)]) == 0
+    assert main([*BENCH, "--out", str(whole), "--junit", str(small / "whole.xml")]) == 0
     assert WARNING not in capfd.readouterr().err  # a case's warning...
     costs = json.loads((whole / "costs.json").read_text())
     assert len(costs) == 6 and all(v > 0 for v in costs.values())  # measured, per case
@@ -68,7 +68,9 @@ def test_three_shards_merged_equal_one_bench_byte_for_byte(small, capfd):
     assert all(held) and sum(map(len, held)) == 6 and set().union(*held) == set(costs)  # each case once
     assert all(r["warnings"] == [f"UserWarning: {WARNING}"] for d in docs for r in d["records"])  # ...is its record's
 
-    assert main(["merge", *map(str, reversed(shards)), "--out", str(merged)]) == 0
+    assert main(["merge", *map(str, reversed(shards)), "--out", str(merged), "--junit", str(small / "merged.xml")]) == 0
+    for xml in ("whole.xml", "merged.xml"):  # the CI gate's file, from a bench and from a merge alike
+        assert "faultbench.bench.ref.goals" in (small / xml).read_text()
     scores = sorted({p.name for p in whole.iterdir()} - CLOCK)
     assert {"bench.csv", "summary.json", "leaderboard.md"} <= set(scores)
     assert sorted(p.name for p in merged.iterdir()) == sorted(p.name for p in whole.iterdir())

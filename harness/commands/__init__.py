@@ -49,6 +49,15 @@ def seed_arg(text: str) -> int:
     return value
 
 
+def new_file(text: str) -> str:
+    """A file to write (``--junit``): its folder must exist, so that a long run does not fail at its end."""
+    from pathlib import Path
+
+    if not Path(text).parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder does not exist")
+    return text
+
+
 def positive_float(text: str) -> float:
     """A time or a rate: a finite number > 0."""
     try:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from faultbench.harness.atomic import check_output
-from faultbench.harness.commands import MAX_JOBS, MAX_SEEDS, at_most, targets_or_all
+from faultbench.harness.commands import MAX_JOBS, MAX_SEEDS, at_most, new_file, targets_or_all
 from faultbench.harness.costs import COSTS
 from faultbench.harness.shard import SHARD_FILE
 
@@ -41,6 +41,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundles", metavar="DIR",
                         help="write a repro bundle for every case where a detector fires (runs every case anew)")
     parser.add_argument("--json", action="store_true", help="table on stderr; last stdout line is summary.json")
+    parser.add_argument("--junit", metavar="FILE", type=new_file,
+                        help="also write the goals and each detector's false positives as JUnit XML (a failure per "
+                             "unmet goal or false positive)")
     parser.add_argument("--shard", type=shard_arg, metavar="K/N",
                         help="run the K-th of N parts of equal measured cost and write its shard.json (default --out "
                              "shards/K-of-N) for faultbench merge")
@@ -140,7 +143,13 @@ def report(args, summary: dict) -> None:
     else:
         print_table(summary, all_detectors(), timings, file=stream)
     _mutant_reports(args)
-    print(f"results written to {args.out}/ (scores: bench.csv, summary.json, leaderboard.md, heatmap.png; "
+    if getattr(args, "junit", None):
+        from faultbench.harness.atomic import write_text
+        from faultbench.harness.report import junit_xml
+
+        write_text(Path(args.junit), junit_xml(summary, timings))
+    print(f"results written to {args.out}/ (scores: bench.csv, summary.json, leaderboard.md, summary.png, "
+          "heatmap_*.png, index.html; "
           "timings: timings.csv, timings.json, costs.json)", file=stream)
     if args.json:
         print(json.dumps(summary))

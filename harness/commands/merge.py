@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from faultbench.harness.atomic import check_output
-from faultbench.harness.commands import bench
+from faultbench.harness.commands import bench, new_file
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +17,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plugin", action="append",
                         help="a plugin the shards' cases load, given again (a shard never loads code by itself)")
     parser.add_argument("--json", action="store_true", help="table on stderr; last stdout line is summary.json")
+    parser.add_argument("--junit", metavar="FILE", type=new_file,
+                        help="also write the goals and false positives as JUnit XML")
 
 
 def run(args) -> int:
