@@ -152,6 +152,7 @@ class CrashSite(BlackBoxDetector):
             return ("model", "", "inside a forward (not replayed: other ranks would have to join it)", {}, 0.4)
         replay = _Replay(ctx, batch)
         where = replay.raises()
+        call = replay.inputs  # the innermost module's call as the loop's batch makes it
         if where is None:  # the replay ran: what it leaves out made the loop's forward raise
             if "labels" in batch:
                 return ("loss", "loss", "in a forward given labels; the same forward without them runs: the loss the "
@@ -170,6 +171,11 @@ class CrashSite(BlackBoxDetector):
                     f"length ({batch['input_ids'].shape[1]}) and runs on half of it: the model's positions (a table, "
                     "a rotary cache, a length limit) do not cover the batch", {"module": where, "length":
                                                                                batch["input_ids"].shape[1]}, 0.6)
+        if where and _given_positions(call, batch["input_ids"]):
+            return ("position", where, f"in {where}, the innermost module running, which was given the positions (an "
+                    "integer tensor counting along the batch's columns); replayed, it raises again, with or without "
+                    "the mask and positions and on half the length: the code that turns positions into the model's "
+                    "position signal", {"module": where, "given_positions": True}, 0.55)
         module = f"in {where}, the innermost module running" if where else "in the model's own forward"
         return ("model", where, f"{module}; replayed on the crash's batch it raises again, with or without the "
                 "mask and positions and on half the length: the model's code", {"module": where}, 0.55)
@@ -262,6 +268,7 @@ class _Replay:
 
     def __init__(self, ctx: WatchContext, batch: dict):
         self.ctx, self.batch = ctx, batch
+        self.inputs: tuple = ((), {})  # the innermost module's call (args, kwargs) in the last replay that raised
 
     def raises(self, drop: str | None = None, half: bool = False) -> str | None:
         kwargs = {k: v for k, v in self.batch.items() if k in ("attention_mask", "position_ids") and k != drop}
@@ -269,8 +276,12 @@ class _Replay:
         if half:
             cut = ids.shape[1] // 2
             ids, kwargs = ids[:, :cut], {k: v[:, :cut] for k, v in kwargs.items()}
+        calls: list = []
         with self.ctx.probe():
-            return raised_in(self.ctx.model, lambda: self._call(ids, kwargs))
+            where = raised_in(self.ctx.model, lambda: self._call(ids, kwargs), calls)
+        if calls:
+            self.inputs = calls[0]
+        return where
 
     def _call(self, ids: torch.Tensor, kwargs: dict) -> None:
         """The model called the way the loop calls it: by keyword where its forward names its input ids."""
@@ -282,6 +293,25 @@ class _Replay:
             self.ctx.model(input_ids=ids, **kwargs)
         else:
             self.ctx.model(ids, **kwargs)
+
+
+def _given_positions(call: tuple, ids: torch.Tensor) -> bool:
+    """Whether a module call (args, kwargs) was given positions and no mask: an integer tensor, not the token ids,
+    whose last dimension is the batch's length and which counts up by one along it for most of its steps (left
+    padding and packed documents restart or hold it). A module given a mask too (a boolean tensor, or one whose last
+    two dimensions are the length: a whole layer passes both on) is not singled out."""
+    args, kwargs = call
+    length = ids.shape[-1]
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    if any(t.dtype == torch.bool or (t.dim() >= 2 and t.shape[-2:] == (length, length)) for t in tensors):
+        return False
+    for t in tensors:
+        if t.is_floating_point() or not t.dim() or t.shape[-1] != length or length < 3 \
+                or (t.shape == ids.shape and torch.equal(t, ids)):
+            continue
+        if float((t.diff(dim=-1) == 1).float().mean()) >= 0.5:
+            return True
+    return False
 
 
 def _vocab_size(ctx: WatchContext) -> int | None:

@@ -263,20 +263,23 @@ def counted_layers(model: torch.nn.Module, shape: tuple[int, int]):
             h.remove()
 
 
-def raised_in(model: torch.nn.Module, call: Callable[[], object]) -> str | None:
+def raised_in(model: torch.nn.Module, call: Callable[[], object], inputs: list | None = None) -> str | None:
     """The path of the innermost submodule of ``model`` still running when ``call()`` raised (module hooks: a
     pre-hook pushes the module, a completed forward pops it; "" when the model's own code raised), or None when it
-    does not raise."""
-    stack: list[str] = []
+    does not raise. ``inputs``: a list that gets that submodule's call (its positional and keyword arguments)."""
+    stack: list[tuple[str, tuple, dict]] = []
     handles = []
     for name, module in model.named_modules():
         if name:
-            handles.append(module.register_forward_pre_hook(lambda m, a, name=name: stack.append(name)))
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, kw, name=name: stack.append((name, a, kw)) and None, with_kwargs=True))
             handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))  # output kept
     try:
         call()
     except Exception:  # noqa: BLE001 - the error is the caller's; only where it happened is asked
-        return stack[-1] if stack else ""
+        if stack and inputs is not None:
+            inputs.append(stack[-1][1:])
+        return stack[-1][0] if stack else ""
     finally:
         for h in handles:
             h.remove()

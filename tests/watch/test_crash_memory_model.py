@@ -107,6 +107,41 @@ def test_a_forward_that_runs_without_its_mask_is_a_mask_crash_else_the_innermost
     assert [(f.subsystem, f.where) for f in w.findings] == [expected]
 
 
+class Signal(torch.nn.Module):
+    """Turns what it is given into a (B, T, WIDTH) signal with a reshape that fits no batch: raises at any length."""
+
+    def forward(self, x, given, mask=None):
+        return x + given.float().view(-1, WIDTH + 1).sum()
+
+
+class Positioned(torch.nn.Module):
+    """``model(idx) -> logits`` whose submodule ``signal`` gets the positions it computes (``arange`` over the
+    columns), or the token ids, or nothing but the hidden state."""
+
+    def __init__(self, given: str):
+        super().__init__()
+        self.wte, self.head, self.signal, self.given = (torch.nn.Embedding(VOCAB, WIDTH),
+                                                       torch.nn.Linear(WIDTH, VOCAB), Signal(), given)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        positions = torch.arange(idx.shape[1])[None].expand_as(idx)
+        if self.given == "positions and mask":  # a whole layer: a causal mask passed on beside the positions
+            return self.head(self.signal(x, positions, mask=torch.ones(idx.shape[1], idx.shape[1]).tril().bool()))
+        return self.head(self.signal(x, {"positions": positions, "ids": idx, "hidden": x}[self.given]))
+
+
+@pytest.mark.parametrize(("given", "expected"), [("positions", ("position", "signal")), ("ids", ("model", "signal")),
+                                                 ("hidden", ("model", "signal")),
+                                                 ("positions and mask", ("model", "signal"))])
+def test_a_crash_in_a_module_given_the_positions_is_a_position_crash(given, expected):
+    """The replay raises at any length, with or without a mask: the innermost module's inputs decide. One given an
+    integer tensor counting along the columns turns positions into a signal (position); one given the token ids or
+    the hidden state, or the positions beside a mask (a whole layer passing both on), is the model's."""
+    top = crash_findings(Positioned(given), torch.ones(2, LENGTH, dtype=torch.long))[0]
+    assert (top.subsystem, top.where) == expected
+
+
 @pytest.mark.parametrize(("phase_of", "expected"), [
     ("step", ("optimizer", "optimizer")), ("between steps", ("data", "batch")), ("evaluation", ("eval", "eval")),
     ("generation", ("model", "generate"))])
