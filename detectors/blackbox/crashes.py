@@ -73,6 +73,10 @@ COMPONENTS = (
     ("accelerate/utils/operations.py", "distributed", None),
     ("accelerate/utils/modeling.py", "precision", ("get_mixed_precision_context_manager",)),
 )
+# the components that call the user's code (a schedule's lambda, a scaler's or optimizer's hook, a tensor's own
+# serialization): one running further out on the stack names a crash in what it called; not the collectives'
+# wrappers, which run every forward
+CALLING_SITES = ("scheduler", "optimizer", "scaler", "checkpoint")
 FETCH = "torch/utils/data/_utils/fetch.py"  # the loader's fetch: dataset items, then the collate function
 BACKWARD = ("torch/autograd/", "torch/_tensor.py")  # a backward's frames
 
@@ -209,6 +213,11 @@ def library_site(frames: list):
         if site in innermost:
             return (subsystem, where, f"inside the {where} ({innermost.rsplit('/', 1)[-1]}): the {where} was "
                     "used out of its contract", {"frame": innermost}, 0.5)
+    for path in reversed(paths):  # a component that was running and called the code that raised (a schedule's lambda)
+        for site, subsystem, where in LIBRARY_SITES:
+            if site in path and where in CALLING_SITES:
+                return (subsystem, where, f"in code the {where} called ({path.rsplit('/', 1)[-1]} was running): "
+                        f"what the {where} was given raised", {"frame": path, "called": innermost}, 0.45)
     return None
 
 

@@ -165,6 +165,23 @@ def test_a_crash_outside_any_forward_is_localized_by_the_phase_it_interrupted(ph
     assert w.findings[0].evidence["phase"] == phase_of
 
 
+def test_a_crash_in_code_the_scheduler_called_is_the_schedules():
+    """A LambdaLR whose lambda (the user's) raises at step 3: the scheduler was running further out on the stack, so
+    the crash is the optimizer's (its schedule), not the next batch's as a crash between steps would be."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (3 - step))  # 1/0 at step 3
+    w = faultbench.watch(model, optimizer, scheduler=schedule, report=False, detectors=["bb_crash_site"])
+    with pytest.raises(ZeroDivisionError), w:
+        idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+        for _ in range(4):
+            F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+    assert [(f.subsystem, f.where) for f in w.findings] == [("optimizer", "scheduler")]
+
+
 def _save(model, optimizer) -> dict:
     """A user's checkpoint whose last part raises (an RNG state it cannot serialize, say)."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
