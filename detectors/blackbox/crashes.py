@@ -38,6 +38,7 @@ from faultbench.detectors.blackbox.probes import raised_in
 LIBRARY_SITES = (
     ("torch/amp/grad_scaler.py", "precision", "scaler"), ("torch/cuda/amp/grad_scaler.py", "precision", "scaler"),
     ("torch/optim/lr_scheduler.py", "optimizer", "scheduler"), ("torch/optim/", "optimizer", "optimizer"),
+    ("torch/nn/utils/clip_grad.py", "optimizer", "gradient clipping"),
     ("torch/nn/parallel/", "distributed", "ranks"), ("torch/distributed/", "distributed", "ranks"),
     ("torch/serialization.py", "checkpoint", "checkpoint"), ("safetensors/", "checkpoint", "checkpoint"),
 )

@@ -182,6 +182,19 @@ def test_a_crash_in_code_the_scheduler_called_is_the_schedules():
     assert [(f.subsystem, f.where) for f in w.findings] == [("optimizer", "scheduler")]
 
 
+def test_a_crash_inside_gradient_clipping_is_the_optimizers_not_the_losss():
+    """Between the backward and the step (where a crash of the loop's own code is the loss's), torch's clipping
+    raising on a non-finite norm it was told to refuse is the optimizer side's."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = faultbench.watch(model, optimizer, report=False, detectors=["bb_crash_site"])
+    with pytest.raises(RuntimeError), w:
+        idx = torch.arange(2 * LENGTH).view(2, LENGTH) % VOCAB
+        (F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()) * float("inf")).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    assert [(f.subsystem, f.where) for f in w.findings] == [("optimizer", "gradient clipping")]
+
+
 def _save(model, optimizer) -> dict:
     """A user's checkpoint whose last part raises (an RNG state it cannot serialize, say)."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
