@@ -687,10 +687,12 @@ def _instantiate(detectors) -> list[BlackBoxDetector]:
 def _library_key(finding: Finding | dict) -> tuple[str, str] | None:
     """(detector, qualified name) of a finding whose place in code is an installed library's and not a module's
     forward (a module, whatever its class, is a part of the user's model: a Trainer's loss, a schedule function or a
-    collator is the library's); None for the user's."""
+    collator is the library's); None for the user's, and for a comparison with the user's own known-good runs
+    (``BlackBoxDetector.against_golden``: a change the user made, wherever the code that runs it lives)."""
     f = finding.to_dict() if isinstance(finding, Finding) else finding
     code = (f.get("evidence") or {}).get("code")
-    library = isinstance(code, dict) and code.get("library") and not code.get("method_of_module")
+    relative = getattr(all_detectors().get(f["detector"]), "against_golden", False)
+    library = isinstance(code, dict) and code.get("library") and not code.get("method_of_module") and not relative
     return (f["detector"], code["qualname"]) if library else None
 
 

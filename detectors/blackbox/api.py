@@ -322,10 +322,14 @@ class BlackBoxDetector(Detector):
     ``sampled``: the detector's on_forward/on_backward check a contract every step keeps alike (a bug breaks it on
     every step), so the watch fires them on sampled steps only (``WatchContext.sampled_step``): every step the tiny
     models of the bench take costs a few ms, and a check's fixed cost per call is what its overhead is made of.
+    ``against_golden``: every finding compares the run with the user's own known-good runs (``ctx.golden``): it
+    reports a change from the user's known-good setup, so the watch never ranks it as a library's finding, whoever's
+    code the place it names is (a library's schedule built from the user's arguments).
     """
 
     track: ClassVar[str] = "black-box"
     sampled: ClassVar[bool] = False
+    against_golden: ClassVar[bool] = False
     retired: frozenset[str] = frozenset()  # hooks this detector needs no more (``retire``)
 
     def __init__(self) -> None:

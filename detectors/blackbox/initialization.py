@@ -46,6 +46,7 @@ class GoldenInit(BlackBoxDetector):
     """See the module's docstring: the weights and derived tables as the run starts vs the known-good runs'."""
 
     id = "bb_golden_init"
+    against_golden = True
     family = "model"
     description = "parameters and derived buffers at the start vs the known-good runs' (initialization as declared)"
     MARGIN = 0.1

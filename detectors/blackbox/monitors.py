@@ -223,6 +223,7 @@ class GoldenModel(BlackBoxDetector):
     is the model's own difference, whatever the optimizer that holds them then shows."""
 
     id = "bb_golden_model"
+    against_golden = True
     family = "model"
     description = "the model's parameters (count, elements, tied weights) vs the known-good runs'"
 
@@ -447,6 +448,7 @@ class GoldenLoss(BlackBoxDetector):
     consecutive steps. It says only that the run left known-good behaviour: low confidence, at the loss."""
 
     id = "bb_golden_loss"
+    against_golden = True
     family = "loss"
     description = "loss outside the envelope of the user's own known-good runs"
     MIN_STEPS = 3

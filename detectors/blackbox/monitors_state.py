@@ -56,6 +56,7 @@ class GoldenLR(BlackBoxDetector):
     step(s) in a row: the schedule itself is wrong (optimizer: its horizon, its units, its scale)."""
 
     id = "bb_golden_lr"
+    against_golden = True
     family = "optimizer"
     description = "LR the optimizer used vs the known-good runs' LR at the same step (schedule, resume)"
     REL = 0.02
@@ -118,6 +119,7 @@ class GoldenGradNorm(BlackBoxDetector):
     / ``LOW`` (the loss the backward differentiates is scaled down: a normalization applied twice)."""
 
     id = "bb_golden_grad_norm"
+    against_golden = True
     family = "optimizer"
     description = "optimizer stepping with no gradient after a backward, or with gradients larger than known-good"
     MIN_STEPS = 3
@@ -177,6 +179,7 @@ class GoldenConfig(BlackBoxDetector):
     the schedule's business); and a loss scaler enabled where theirs was."""
 
     id = "bb_golden_config"
+    against_golden = True
     family = "optimizer"
     description = "optimizer groups, hyperparameters, dtypes and loss scaler vs the known-good runs'"
 
@@ -455,6 +458,7 @@ class GoldenLayout(BlackBoxDetector):
     fraction is reported outside its span by more than ``TOL`` once ``MIN_ROWS`` rows were seen."""
 
     id = "bb_golden_layout"
+    against_golden = True
     family = "data"
     description = "BOS/EOS placement, truncated rows' ends, padding width in the training rows vs the known-good runs'"
     TOL = 0.05

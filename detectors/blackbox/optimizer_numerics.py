@@ -70,6 +70,7 @@ class GoldenUpdate(BlackBoxDetector):
     """See the module's docstring: update ratios against the known-good runs' at the same steps."""
 
     id = "bb_golden_update"
+    against_golden = True
     family = "optimizer"
     description = "the optimizer's update/weight ratio per group vs the known-good runs' at the same steps"
     FACTOR = 2.0  # outside [lo / FACTOR, hi x FACTOR]: seeds and data order move a healthy ratio far less

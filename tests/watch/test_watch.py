@@ -272,6 +272,33 @@ def test_a_watch_entered_twice_is_refused_and_keeps_watching_once():
     assert [r.step for r in w.ctx.history] == [1] and not w.attached  # one step counted once, hooks gone
 
 
+def test_a_finding_against_the_users_golden_is_theirs_even_where_the_code_is_a_librarys():
+    """transformers' linear warmup built from the user's arguments: against known-good runs with 2 warmup steps, a
+    run told 400 is found by the LR check at the library's schedule function. A comparison with the user's own
+    known-good runs reports a change the user made: it keeps its rank (first, by confidence) instead of coming after
+    the consequence it explains (the smaller updates), as a library's finding would."""
+    from transformers import get_linear_schedule_with_warmup
+
+    def run(warmup: int, seed: int, golden=None):
+        torch.manual_seed(seed)
+        model, optimizer, _ = build(TrainConfig(), seed=seed)
+        schedule = get_linear_schedule_with_warmup(optimizer, warmup, 100)
+        with faultbench.watch(model, optimizer, scheduler=schedule, golden=golden, report=False) as w:
+            for _ in range(10):
+                x, y = get_batch("train", 4, 16)
+                model(x, targets=y)[1].backward()
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+        return w
+
+    w = run(400, 0, faultbench.record_golden([run(2, 1), run(2, 2)]))
+    top = w.findings[0]
+    assert (top.detector, top.where) == ("bb_golden_lr", "scheduler")
+    assert top.evidence["code"]["library"].startswith("transformers ")  # the place is the library's code
+    assert "bb_golden_update" in [f.detector for f in w.findings[1:]]  # the consequence, ranked after its cause
+
+
 def test_junit_gives_a_ci_gate_a_failure_per_finding_and_skips_what_does_not_apply(tmp_path):
     """JUnit XML at exit (``junit=``): the forgotten zero_grad is a failure of bb_grads_cleared, a check whose
     assumption the loop does not meet is skipped, every other detector passes."""
