@@ -397,8 +397,10 @@ class EvalMode(BlackBoxDetector):
 class PadIds(BlackBoxDetector):
     """Batches against the declared pad id (the tokenizer's ``pad_token_id``, or ``declare={"pad_id": ...}``): where
     attention_mask is 0 the ids are the pad id; where it is 1 there is no pad id (unless pad doubles as another
-    special token, e.g. EOS). Whether padded targets are trained is the loss's gradient's to say (bb_loss_padding):
-    the label value a loop ignores them with is its own choice."""
+    special token, e.g. EOS). A batch given without a mask is all "1": rows that open with a run of pad ids while
+    others open with a token are left padding the model attends to (a causal model's real tokens never see right
+    padding, so only the left side counts). Whether padded targets are trained is the loss's gradient's to say
+    (bb_loss_padding): the label value a loop ignores them with is its own choice."""
 
     id = "bb_pad_ids"
     sampled = True  # every batch keeps the contract alike
@@ -411,8 +413,12 @@ class PadIds(BlackBoxDetector):
             raise NotApplicable("no pad id was declared (a tokenizer's pad_token_id, or declare={'pad_id': ...})")
         self._special = ctx.conventions.doubles_as_special(self._pad)  # then a pad id may be attended (as EOS, ...)
 
+    LEFT_RUN = 2  # pad ids opening a row: one could be a document's own first token (a pad that doubles as BOS)
+
     def on_forward(self, ctx: WatchContext, batch: dict, logits, loss) -> None:
         mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+        if mask is None and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > self.LEFT_RUN:
+            self._unmasked_left_padding(ctx, ids)
         if mask is None or ids is None or mask.shape != ids.shape:
             return
         pad, hidden = self._pad, mask == 0
@@ -421,6 +427,15 @@ class PadIds(BlackBoxDetector):
         # the padding keeps the contract (the usual case) one test says so
         if bool(((hidden & ~is_pad) if self._special else (is_pad != hidden)).any()):
             self._mismatch(ctx, pad, hidden, is_pad)
+
+    def _unmasked_left_padding(self, ctx: WatchContext, ids: torch.Tensor) -> None:
+        opens = (ids[:, :self.LEFT_RUN] == self._pad).all(dim=1)
+        if bool(opens.any()) and not bool(opens.all()):  # some rows padded on the left, others not: padding
+            rows = int(opens.sum())
+            self.report_once("unmasked_left", ctx, "mask", "batch",
+                             f"{rows} of {ids.shape[0]} rows open with a run of the pad id {self._pad} while the "
+                             "others open with a token, and the model was given no attention_mask: every real token "
+                             "of those rows attends to their left padding", {"rows": rows}, confidence=0.75)
 
     def _mismatch(self, ctx: WatchContext, pad: int, hidden: torch.Tensor, is_pad: torch.Tensor) -> None:
         masked_real = int((hidden & ~is_pad).sum())

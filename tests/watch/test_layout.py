@@ -157,3 +157,23 @@ def test_an_evaluation_batch_whose_mask_is_padded_on_the_other_side_is_a_collate
     w.stop_watching_evaluations()
     assert {(f.detector, f.subsystem, f.where) for f in w.findings} == {("bb_pad_ids", "collate", "batch")}
     assert {f.evidence["positions"] for f in w.findings} == {2}
+
+
+@pytest.mark.parametrize(("side", "mask_given", "found"), [("left", False, [("mask", "batch")]), ("right", False, []),
+                                                           ("left", True, [])])
+def test_left_padding_given_to_the_model_without_its_mask_is_attended_padding(side, mask_given, found):
+    """The model called with the ids alone: left padding is attended to by every real token of its rows; right
+    padding is never seen by a causal model's real tokens (its targets are bb_loss_padding's to judge); with the mask
+    the contract holds."""
+    torch.manual_seed(1)
+    rng = torch.Generator().manual_seed(1)
+    model = Toy(VOCAB)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with faultbench.watch(model, opt, tokenizer=Tok(), detectors=["bb_pad_ids"], report=False) as w:
+        for _ in range(3):
+            batch = _collate(_documents(rng), side=side)
+            logits = model(batch["input_ids"], batch["attention_mask"] if mask_given else None)
+            F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert [(f.subsystem, f.where) for f in w.findings] == found
