@@ -509,10 +509,10 @@ class Watch:
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() not in (1, 2):
             return
-        rows, counts = fingerprint(ids, batch.get("attention_mask"), self._special)
+        rows, counts, packed = fingerprint(ids, batch.get("attention_mask"), self._special)
         self._batches.append(batch_hash(rows))
-        if len(self.ctx.train_rows) < self.ctx.MAX_ROWS:
-            self.ctx.train_rows.update(rows)
+        if len(self.ctx.train_rows) < self.ctx.MAX_ROWS:  # rows, and the documents packed rows hold
+            self.ctx.train_rows.update(rows, packed)
         if self._layout is None:
             self._layout = counts
         else:
@@ -524,12 +524,13 @@ class Watch:
     EVAL_MIN_TOKENS = 2
 
     def _eval_fingerprint(self, batch: dict) -> None:
-        """An evaluation batch's documents (rows of EVAL_MIN_TOKENS real tokens or more) that the run trained on:
-        counted on the last step's record (``StepRecord.evals``: [evaluated, of them trained on])."""
+        """An evaluation batch's documents (rows of EVAL_MIN_TOKENS real tokens or more; a packed row's documents)
+        that the run trained on, as rows or as documents of packed rows: counted on the last step's record
+        (``StepRecord.evals``: [evaluated, of them trained on])."""
         ids = batch.get("input_ids")
         if not self.ctx.history or not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() != 2:
             return
-        hashes = document_hashes(ids, batch.get("attention_mask"), self.EVAL_MIN_TOKENS)
+        hashes = document_hashes(ids, batch.get("attention_mask"), self.EVAL_MIN_TOKENS, self._special.get("eos"))
         if not hashes:
             return
         record = self.ctx.history[-1]

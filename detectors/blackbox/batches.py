@@ -57,9 +57,26 @@ def row_hashes(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Ten
     return torch.tensor([hash(r) for r in _real_rows(ids, mask)[0]], dtype=torch.int64)
 
 
-def document_hashes(ids: torch.Tensor, mask: torch.Tensor | None, min_tokens: int) -> list[int]:
-    """The row hashes of the rows holding ``min_tokens`` real tokens or more (documents, not decoding steps)."""
-    return [hash(r) for r in _real_rows(ids, mask)[0] if len(r) >= min_tokens]
+def packed_documents(row: tuple[int, ...], eos: int | None) -> list[tuple[int, ...]]:
+    """The documents a packed row holds: for a row with an EOS before its last token, each EOS-ended stretch (what
+    follows its last EOS is cut by the row's end, and left out: another row may hold the rest); [] for any other
+    row (one document, or EOS not declared)."""
+    if eos is None or eos not in row[:-1]:
+        return []
+    out, start = [], 0
+    for i, token in enumerate(row):
+        if token == eos:
+            out.append(row[start:i + 1])
+            start = i + 1
+    return out
+
+
+def document_hashes(ids: torch.Tensor, mask: torch.Tensor | None, min_tokens: int, eos: int | None = None
+                    ) -> list[int]:
+    """The hashes of the documents (``min_tokens`` real tokens or more: not decoding steps) of a batch's rows: a
+    row, or each document of a packed row (``packed_documents``)."""
+    docs = [d for r in _real_rows(ids, mask)[0] for d in (packed_documents(r, eos) or [r])]
+    return [hash(d) for d in docs if len(d) >= min_tokens]
 
 
 def batch_hash(rows) -> int:
@@ -68,10 +85,13 @@ def batch_hash(rows) -> int:
 
 
 def fingerprint(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int] | None
-                ) -> tuple[list[int], dict | None]:
-    """A training batch read once: its rows' hashes and, unless ``special`` is None, its ``layout`` counts."""
+                ) -> tuple[list[int], dict | None, list[int]]:
+    """A training batch read once: its rows' hashes, unless ``special`` is None its ``layout`` counts, and the
+    hashes of the documents its packed rows hold (``packed_documents``, by ``special``'s EOS)."""
     rows, width = _real_rows(ids, mask)
-    return [hash(r) for r in rows], None if special is None else _layout(rows, width, special)
+    eos = (special or {}).get("eos")
+    packed = [hash(d) for r in rows for d in packed_documents(r, eos)]
+    return [hash(r) for r in rows], None if special is None else _layout(rows, width, special), packed
 
 
 # a layout count -> the count it is a fraction of (what the golden envelope spans, per run)

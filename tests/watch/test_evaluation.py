@@ -118,6 +118,43 @@ def test_short_evaluation_documents_that_were_trained_on_are_an_overlap():
     assert [(f.detector, f.subsystem, f.where) for f in w.findings] == [("bb_eval_overlap", "eval", "eval")]
 
 
+def _packed(docs: list[list[int]]) -> torch.Tensor:
+    """Rows of 16 tokens, each four whole 4-token documents ending with EOS (1) one after another (packing)."""
+    return torch.tensor([sum(docs[i:i + 4], []) for i in range(0, len(docs), 4)])
+
+
+def _packed_run(eval_docs: list[list[int]], golden=None):
+    """Train on 32 distinct documents packed four a row, then evaluate ``eval_docs`` packed the same way."""
+    from tests.watch.test_gradients import Toy
+
+    torch.manual_seed(0)
+    docs = [[2 + (3 * i) % 20, 2 + (5 * i + 1) % 20, 2 + (7 * i + 2) % 21, 1] for i in range(32)]
+    model = Toy(24)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with faultbench.watch(model, optimizer, golden=golden, declare={"eos_id": 1}, report=False) as w:
+        for i in range(0, 32, 8):
+            rows = _packed(docs[i:i + 8])
+            F.cross_entropy(model(rows)[:, :-1].reshape(-1, 24), rows[:, 1:].reshape(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            model(_packed(eval_docs))
+    return w, docs
+
+
+def test_an_evaluation_of_packed_rows_overlaps_training_by_its_documents_not_its_rows():
+    """Packed rows mix documents, so no evaluation row equals a training row; the documents inside them (EOS-ended)
+    are compared instead: training documents packed in another order are found as an overlap."""
+    held_out = [[21, 22, 23 - i % 2, 1] for i in range(8)]
+    golden = faultbench.record_golden([_packed_run(held_out)[0]])
+    clean, docs = _packed_run(held_out, golden)
+    assert clean.findings == [] and clean.ctx.history[-1].evals == [8, 0]
+    leaky, _ = _packed_run(docs[::-1][:8], golden)  # eight training documents, packed in another order
+    assert leaky.ctx.history[-1].evals == [8, 8]
+    assert [(f.detector, f.where) for f in leaky.findings] == [("bb_eval_overlap", "eval")]
+
+
 def _metrics_reforward_run(golden=None, same_batch: bool = True):
     """As ``_short_rows_run``, but each step also runs a batch under no_grad before the step, for its metrics: the
     batch it just trained on (``same_batch``; TRL's SFTTrainer does so for its token accuracy) or the next one."""
