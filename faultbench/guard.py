@@ -49,6 +49,8 @@ def object_place(obj) -> dict | None:
     module = isinstance(obj, torch.nn.Module)
     if module:
         obj = type(obj).forward
+    elif callable(obj) and not inspect.isroutine(obj) and not isinstance(obj, type):  # a callable object: its __call__
+        obj = type(obj).__call__
     fn = inspect.unwrap(getattr(obj, "__func__", obj))
     code = getattr(fn, "__code__", None)
     if not isinstance(code, types.CodeType):

@@ -137,7 +137,7 @@ class Watch:
 
     def __init__(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, golden=None,
                  detectors="black-box", rank=None, world_size=None, report=True, out=None, step=0, previous=None,
-                 declare=None, junit=None):
+                 declare=None, junit=None, collate=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"faultbench.watch: model must be a torch.nn.Module, not {type(model).__name__}")
         inner = _unwrap_optimizer(optimizer)
@@ -159,6 +159,7 @@ class Watch:
             self.ctx.batches_seen = dict(prev.batches_seen)
             self.ctx.train_rows = set(prev.train_rows)
         self._special = self.ctx.conventions.special
+        self._collate = getattr(collate, "collate_fn", collate)  # what builds the batches (a DataLoader's collate_fn)
         self._batches: list[int] = []
         self._layout: dict | None = None
         self._stale_hooked = False  # the stale-gradient check is hooked on this step's first backward
@@ -347,7 +348,8 @@ class Watch:
         """Each finding whose place is an object of the loop gets that object's place in code (evidence "code",
         ``faultbench.guard.object_place``): a module path its class's forward, "scheduler" its schedule function;
         "loss" and "eval" the code that called the model for training and for evaluation forwards (where the loss is
-        computed or asked for: the user's step function, Trainer's ``compute_loss``)."""
+        computed or asked for: the user's step function, Trainer's ``compute_loss``); "batch" the loop's collate
+        function (``collate=``), when it is the user's code."""
         modules = dict(self.ctx.model.named_modules())
         lambdas = getattr(self.ctx.scheduler, "lr_lambdas", None) or [None]
         for finding in (f for d in self.detectors for f in d.findings if f.evidence.get("code") is None):
@@ -355,6 +357,9 @@ class Watch:
                 place = self._callers.get(finding.where == "eval")
             elif finding.where == "scheduler":
                 place = object_place(lambdas[0]) if lambdas[0] is not None else None
+            elif finding.where == "batch":  # the loop's own collate function; a library's only carries the user's data
+                place = object_place(self._collate) if self._collate is not None else None
+                place = place if place is not None and place["library"] is None else None
             else:  # a module path ("" is the model itself); None or another place of the loop: no object
                 obj = modules.get(finding.where) if finding.where is not None else None
                 place = object_place(obj) if obj is not None else None
@@ -720,8 +725,9 @@ def _not_applicable_lines(reasons: dict[str, str], width: int = 110) -> list[str
 
 def watch(model, optimizer, **kwargs) -> Watch:
     """Watch a training loop: ``with watch(model, optimizer, scheduler=, scaler=, tokenizer=, golden=,
-    detectors="black-box", rank=, world_size=, report=True, out=None, junit=None, declare=None) as w: ...``. See
-    ``Watch``; ``out``: the result as JSON at exit, ``junit``: as JUnit XML (a CI gate);
+    detectors="black-box", rank=, world_size=, report=True, out=None, junit=None, declare=None, collate=None) as w:
+    ...``. See ``Watch``; ``out``: the result as JSON at exit, ``junit``: as JUnit XML (a CI gate); ``collate``: the
+    function (or DataLoader) that builds the batches, named by findings about a batch;
     ``declare``: the loop's conventions (detectors.blackbox.conventions), e.g. {"positions": "relative",
     "total_steps": 1000, "pad_id": 0}."""
     return Watch(model, optimizer, **kwargs)

@@ -43,7 +43,8 @@ class Watched:
     def current(self):
         return self.watches[-1] if self.watches and self.watches[-1].attached else None
 
-    def attach(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, step: int = 0) -> None:
+    def attach(self, model, optimizer, *, scheduler=None, scaler=None, tokenizer=None, step: int = 0,
+               collate=None) -> None:
         """Watch a (new) segment of the run: the previous watch, if still attached, ends normally first. ``step``:
         the loop's step counter at the start of the segment (a resumed run's); the previous segment's watch is
         handed to the new one, as a user resuming their loop would."""
@@ -52,7 +53,7 @@ class Watched:
         self.finish()
         watch = Watch(model, optimizer, scheduler=scheduler, scaler=scaler, tokenizer=tokenizer, detectors=self.ids,
                       golden=self.golden, rank=self.rank, world_size=self.world_size, report=False, step=step,
-                      previous=self.watches[-1] if self.watches else None, declare=self.declare)
+                      previous=self.watches[-1] if self.watches else None, declare=self.declare, collate=collate)
         self.watches.append(watch)
         watch.__enter__()
 

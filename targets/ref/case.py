@@ -177,8 +177,10 @@ def _watch(watched: Watched | None, suite: Suite, run) -> None:
     """Attach the case's watch (if it has black-box detectors) to ``run`` as a user's loop would, quiet while the
     suite's hooks run."""
     if watched is not None:
+        from faultbench.model.data import collate  # the loop's collate function, as its user would name it
+
         watched.attach(run.model, run.optimizer, scheduler=run.scheduler, scaler=run.scaler, tokenizer=run.tokenizer,
-                       step=run.step)
+                       step=run.step, collate=collate)
         suite.quiet = watched.quiet
 
 

@@ -177,3 +177,39 @@ def test_left_padding_given_to_the_model_without_its_mask_is_attended_padding(si
             opt.step()
             opt.zero_grad(set_to_none=True)
     assert [(f.subsystem, f.where) for f in w.findings] == found
+
+
+def _marks_pads_real(docs: list[list[int]]) -> dict:
+    """A collate function whose mask marks the padding as real (all ones)."""
+    batch = _collate(docs)
+    return {**batch, "attention_mask": torch.ones_like(batch["attention_mask"])}
+
+
+class _LibraryCollator:
+    """The same collation as an object of a library's (its ``__call__`` compiled as if from site-packages)."""
+
+    scope: dict = {"_marks_pads_real": _marks_pads_real}
+    exec(compile("def __call__(self, docs):\n    return _marks_pads_real(docs)\n",  # noqa: S102
+                 "/env/site-packages/collators/collate.py", "exec"), scope)
+    __call__ = scope["__call__"]
+
+
+@pytest.mark.parametrize(("collate", "named"), [(_marks_pads_real, "test_layout._marks_pads_real"),
+                                                (_LibraryCollator(), None)])
+def test_a_batch_finding_names_the_loops_own_collate_function(collate, named):
+    """``watch(collate=...)``: a finding about a batch names the function that built it when it is the user's code;
+    a library's collator only carries the user's data, so it is not named."""
+    rng = torch.Generator().manual_seed(1)
+    model = Toy(VOCAB)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with faultbench.watch(model, opt, tokenizer=Tok(), detectors=["bb_pad_ids"], report=False, collate=collate) as w:
+        for _ in range(2):
+            batch = collate(_documents(rng))
+            logits = model(batch["input_ids"], batch["attention_mask"])
+            F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    (finding,) = w.findings
+    assert (finding.subsystem, finding.where) == ("collate", "batch")
+    code = finding.evidence.get("code")
+    assert (code["qualname"].endswith(named) and code["library"] is None) if named else code is None
