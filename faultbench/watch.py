@@ -514,9 +514,10 @@ class Watch:
         ids = batch.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() not in (1, 2):
             return
-        rows, counts, packed = fingerprint(ids, batch.get("attention_mask"), self._special)
+        room = len(self.ctx.train_rows) < self.ctx.MAX_ROWS
+        rows, counts, packed = fingerprint(ids, batch.get("attention_mask"), self._special, documents=room)
         self._batches.append(batch_hash(rows))
-        if len(self.ctx.train_rows) < self.ctx.MAX_ROWS:  # rows, and the documents packed rows hold
+        if room:  # rows, and the documents packed rows hold
             self.ctx.train_rows.update(rows, packed)
         if self._layout is None:
             self._layout = counts

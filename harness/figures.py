@@ -46,19 +46,25 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+SCORES = ("cases", *(key for key, _ in HEADLINE), "fp")  # what ``scores`` gives, in table order
+
+
+def scores(rows: list[dict]) -> dict:
+    """Over one detector's (or track suite's) rows: its shown fault cases, detection, Top-1 subsystem and seam (means
+    over them), FP (over the clean cases)."""
+    faulty = shown(rows)
+    return {"cases": len(faulty), **{key: _mean(r[key] for r in faulty) for key, _ in HEADLINE},
+            "fp": _mean(r["detected"] for r in rows if not r["fault"])}
+
+
 def headline(rows: list[dict]) -> list[dict]:
-    """Per target and track: fault cases, detection, Top-1 subsystem and seam (over shown fault cases), FP (over
-    clean cases), from the rows of each track's suite."""
+    """Per target and track, the ``scores`` of the track's suite (where it has shown fault cases)."""
     out = []
     for target in dict.fromkeys(r["target"] for r in rows):
         for track, suite in TRACKS:
-            mine = [r for r in rows if r["target"] == target and r["detector"] == suite]
-            faulty = shown(mine)
-            if not faulty:
-                continue
-            out.append({"target": target, "track": track, "cases": len(faulty),
-                        **{key: _mean(r[key] for r in faulty) for key, _ in HEADLINE},
-                        "fp": _mean(r["detected"] for r in mine if not r["fault"])})
+            s = scores([r for r in rows if r["target"] == target and r["detector"] == suite])
+            if s["cases"]:
+                out.append({"target": target, "track": track, **s})
     return out
 
 

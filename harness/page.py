@@ -13,11 +13,12 @@ import base64
 import html
 
 from faultbench.harness.figures import (
-    HEADLINE,
+    SCORES,
     TRACKS,
     headline,
     heatmap_name,
     heatmaps,
+    scores,
     shown,
     summary_figure,
     track_detectors,
@@ -92,12 +93,23 @@ def _fault_diff(fault_id: str, meta: dict) -> str:
         return f"(no diff here: {e})"
 
 
+SCORE_COLUMNS = ["shown fault cases", "detection", "top-1 subsystem", "top-1 seam", "FP"]  # ``SCORES``' headers
+
+
+def _by(rows: list[dict], key: str) -> dict[str, list[dict]]:
+    """The rows grouped by ``key`` (fault, detector), read once for the page's per-fault and per-detector parts."""
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r[key], []).append(r)
+    return out
+
+
 def fault_details(fault_id: str, meta: dict, rows: list[dict]) -> str:
-    """One fault's drill-down: what it is, the bug it models, its diff, and each detector's top finding per seed
-    (the detectors that found something; the track suites first)."""
-    mine = sorted((r for r in rows if r["fault"] == fault_id and r["detected"]),
+    """One fault's drill-down (``rows``: the fault's): what it is, the bug it models, its diff, and each detector's
+    top finding per seed (the detectors that found something; the track suites first)."""
+    mine = sorted((r for r in rows if r["detected"]),
                   key=lambda r: (r["detector"] not in dict(TRACKS).values(), r["detector"], str(r["seed"])))
-    cases = {r["case"]: r.get("manifested") for r in rows if r["fault"] == fault_id}
+    cases = {r["case"]: r.get("manifested") for r in rows}
     refs = "".join(f"<li>{html.escape(ref)}</li>" for ref in meta.get("references", ()))
     found = table(["detector", "recipe", "seed", "first step", "top subsystem", "top seam", "right subsystem first"],
                   [[html.escape(r["detector"]), html.escape(r["recipe"]), r["seed"], r.get("first_step"),
@@ -112,34 +124,24 @@ def fault_details(fault_id: str, meta: dict, rows: list[dict]) -> str:
             f"<pre>{html.escape(_fault_diff(fault_id, meta))}</pre>{found}</details>")
 
 
-def _rate(rows: list[dict], key: str) -> float | None:
-    return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
-
-
 def detector_details(detector: str, cls, rows: list[dict]) -> str:
-    """One detector's drill-down: its scores per target and the faults it found (of its shown cases)."""
-    per_target = []
-    for target in dict.fromkeys(r["target"] for r in rows):
-        mine = [r for r in rows if r["target"] == target and r["detector"] == detector]
-        if mine:
-            faulty, clean = shown(mine), [r for r in mine if not r["fault"]]
-            per_target.append([target, len(faulty), _rate(faulty, "detected"), _rate(faulty, "top1_subsystem"),
-                               _rate(faulty, "top1_seam"), _rate(clean, "detected")])
-    found = sorted({(r["target"], r["fault"]) for r in shown(rows) if r["detector"] == detector and r["detected"]})
+    """One detector's drill-down (``rows``: the detector's): its scores per target and the faults it found (of its
+    shown cases)."""
+    per_target = [[target, *(s[k] for k in SCORES)] for target, mine in _by(rows, "target").items()
+                  for s in [scores(mine)]]
+    found = sorted({(r["target"], r["fault"]) for r in shown(rows) if r["detected"]})
     doc = html.escape((cls.__doc__ or "").strip().split("\n\n")[0]) if cls else ""
     return (f'<details id="{_anchor("detector", detector)}"><summary><b>{html.escape(detector)}</b> '
             f"({html.escape(getattr(cls, 'track', 'suite'))})</summary><p>{doc}</p>"
-            + table(["target", "shown fault cases", "detection", "top-1 subsystem", "top-1 seam", "FP"], per_target)
+            + table(["target", *SCORE_COLUMNS], per_target)
             + "<p>Found: " + (", ".join(f"{t}/{_link('fault', f)}" for t, f in found) or "nothing") + "</p></details>")
 
 
 def page(rows: list[dict], faults: dict[str, dict], registry, set_rows: list[dict], figure: bytes,
          images: list[str]) -> str:
     """The whole page (``figure``: the summary PNG, inlined; ``images``: heatmap files beside the page)."""
-    metrics = [label for _, label in HEADLINE]
-    head = table(["target", "track", "shown fault cases", *metrics, "FP"],
-                 [[h["target"], h["track"], h["cases"], *(h[k] for k, _ in HEADLINE), h["fp"]] for h in headline(rows)],
-                 "headline")
+    head = table(["target", "track", *SCORE_COLUMNS], [[h["target"], h["track"], *(h[k] for k in SCORES)]
+                                                       for h in headline(rows)], "headline")
     parts = ["<h1>faultbench leaderboard</h1>",
              "<p>Detection and localization of the injected faults, per target (<code>ref</code>: the reference "
              "GPT; <code>hf</code>: a tiny Llama under <code>Trainer</code>) and track (white-box seam probes; "
@@ -153,38 +155,34 @@ def page(rows: list[dict], faults: dict[str, dict], registry, set_rows: list[dic
                          "FP"],
                         [[r["target"], r["track"], r["set"], r["faults"], r["seeds"], r["detection_rate"],
                           r["top1_subsystem"], r["top1_seam"], r["false_positive_rate"]] for r in set_rows], "sets")]
-    for target in dict.fromkeys(r["target"] for r in rows):
-        mine = [r for r in rows if r["target"] == target]
+    for target, mine in _by(rows, "target").items():
+        by_detector = _by(mine, "detector")
         for track, _ in TRACKS:
             detectors = track_detectors(mine, registry, track)
             if not detectors:
                 continue
-            body = []
-            for d in detectors:
-                det_rows = [r for r in mine if r["detector"] == d]
-                faulty = shown(det_rows)
-                body.append([_link("detector", d), len(faulty), _rate(faulty, "detected"),
-                             _rate(faulty, "top1_subsystem"), _rate(faulty, "top1_seam"),
-                             _rate([r for r in det_rows if not r["fault"]], "detected")])
-            columns = ["detector", "shown fault cases", "detection", "top-1 subsystem", "top-1 seam", "FP"]
-            parts += [f"<h2>Target {target}, {track}</h2>", table(columns, body)]
+            body = [[_link("detector", d), *(s[k] for k in SCORES)]
+                    for d in detectors for s in [scores(by_detector[d])]]
+            parts += [f"<h2>Target {target}, {track}</h2>", table(["detector", *SCORE_COLUMNS], body)]
             image = heatmap_name(target, track)
             if image in images:
                 parts.append(f'<p><a href="{image}">heatmap: detector x fault ({image})</a></p>')
         per_fault = []
-        for f in sorted({r["fault"] for r in mine if r["fault"] in faults}):
+        for f, fault_rows in sorted(_by(mine, "fault").items()):
+            if f not in faults:
+                continue
             cells = [_link("fault", f), html.escape(faults[f]["subsystem"])]
             for _, suite in TRACKS:
-                suite_rows = shown([r for r in mine if r["fault"] == f and r["detector"] == suite])
-                cells += [_rate(suite_rows, "detected"), _rate(suite_rows, "top1_subsystem")]
+                s = scores([r for r in fault_rows if r["detector"] == suite])
+                cells += [s["detected"], s["top1_subsystem"]]
             per_fault.append(cells)
         parts += [f"<h2>Target {target}: faults</h2>",
                   table(["fault", "subsystem", "white-box detection", "white-box top-1 subsystem",
                          "black-box detection", "black-box top-1 subsystem"], per_fault, f"faults-{target}")]
-    fault_ids = sorted({r["fault"] for r in rows if r["fault"] in faults})
-    parts += ["<h2>Faults</h2>"] + [fault_details(f, faults[f], rows) for f in fault_ids]
-    parts += ["<h2>Detectors</h2>"] + [detector_details(d, registry.get(d), rows)
-                                        for d in sorted({r["detector"] for r in rows})]
+    by_fault = _by(rows, "fault")
+    parts += ["<h2>Faults</h2>"] + [fault_details(f, faults[f], by_fault[f]) for f in sorted(by_fault) if f in faults]
+    parts += ["<h2>Detectors</h2>"] + [detector_details(d, registry.get(d), group)
+                                        for d, group in sorted(_by(rows, "detector").items())]
     preamble = ('<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>faultbench leaderboard</title>'
             f"<style>{STYLE}</style></head><body>\n")
     return preamble + "\n".join(parts) + f"\n<script>{SCRIPT}</script></body></html>\n"

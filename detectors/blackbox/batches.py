@@ -64,10 +64,10 @@ def packed_documents(row: tuple[int, ...], eos: int | None) -> list[tuple[int, .
     if eos is None or eos not in row[:-1]:
         return []
     out, start = [], 0
-    for i, token in enumerate(row):
-        if token == eos:
-            out.append(row[start:i + 1])
-            start = i + 1
+    while eos in row[start:]:  # tuple searches: no Python loop over the tokens (every training batch passes here)
+        end = row.index(eos, start) + 1
+        out.append(row[start:end])
+        start = end
     return out
 
 
@@ -84,12 +84,12 @@ def batch_hash(rows) -> int:
     return hash(tuple(int(h) for h in rows))
 
 
-def fingerprint(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int] | None
+def fingerprint(ids: torch.Tensor, mask: torch.Tensor | None, special: dict[str, int] | None, documents: bool = True
                 ) -> tuple[list[int], dict | None, list[int]]:
-    """A training batch read once: its rows' hashes, unless ``special`` is None its ``layout`` counts, and the
-    hashes of the documents its packed rows hold (``packed_documents``, by ``special``'s EOS)."""
+    """A training batch read once: its rows' hashes, unless ``special`` is None its ``layout`` counts, and (with
+    ``documents``) the hashes of the documents its packed rows hold (``packed_documents``, by ``special``'s EOS)."""
     rows, width = _real_rows(ids, mask)
-    eos = (special or {}).get("eos")
+    eos = (special or {}).get("eos") if documents else None
     packed = [hash(d) for r in rows for d in packed_documents(r, eos)]
     return [hash(r) for r in rows], None if special is None else _layout(rows, width, special), packed
 
