@@ -130,3 +130,185 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     frac = min((step - cfg.warmup_steps) / span, 1.0)
     floor = cfg.min_lr * cfg.lr
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+@fault(
+    "b10_05",
+    seam="model.attention.build_attention_mask",
+    title="Query rows of the mask numbered from 0 even when earlier tokens sit in the KV cache",
+    subsystem="mask",
+    also_acceptable=("position", "model"),
+    trigger="eval-only",
+    symptoms=("silent-quality",),
+    explanation="build_attention_mask places the queries at key positions 0..T_q-1 instead of at the last T_q "
+    "columns (it forgets the cache length). Training and prefill are unaffected (T_q == T_k), but in cached "
+    "decoding the single new query is treated as position 0: it may attend only to the first cached token and "
+    "itself, so generation with the cache diverges from the full forward.",
+    fix="Offset the query positions by the cache length: arange(T_k - T_q, T_k).",
+    references=("huggingface/transformers: _make_causal_mask(..., past_key_values_length) - decoding bugs when "
+                "the causal mask ignores past_key_values_length (several model ports, e.g. issues on "
+                "incorrect generation with use_cache=True)",),
+    manifest=Manifest(check="extra_at_least", scenario="generate", steps=30,
+                      params={"key": "cached_logit_gap", "faulty_min": 1e-2, "clean_max": 1e-4}),
+)
+def build_attention_mask(attention_mask, query_len: int, dtype):
+    """Queries assumed to start at column 0."""
+    batch, key_len = attention_mask.shape
+    right_aligned = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+    if query_len == key_len and right_aligned:
+        return None
+    rows = torch.arange(query_len, device=attention_mask.device).view(-1, 1)
+    cols = torch.arange(key_len, device=attention_mask.device).view(1, -1)
+    visible = ((cols <= rows).unsqueeze(0) & attention_mask.bool().unsqueeze(1)) | (cols == rows).unsqueeze(0)
+    out = torch.zeros((batch, 1, query_len, key_len), dtype=dtype, device=attention_mask.device)
+    return out.masked_fill(~visible.unsqueeze(1), torch.finfo(dtype).min)
+
+
+@fault(
+    "b10_06",
+    seam="model.precision.autocast_context",
+    title="The precision table maps 'bf16' to float16: a bf16 run autocasts to fp16 with no gradient scaler",
+    subsystem="precision",
+    trigger="amp-only",
+    symptoms=("silent-quality",),
+    explanation="autocast_context looks the dtype up in a table whose bf16 entry says torch.float16. The grad "
+    "scaler is (correctly) disabled for bf16, so the run computes in float16 without loss scaling: small "
+    "gradients underflow to zero and the run's numerics are not bf16's.",
+    fix="Map 'bf16' to torch.bfloat16 (and keep fp16 behind a GradScaler).",
+    references=("PyTorch AMP docs: float16 needs GradScaler, bfloat16 does not; HF accelerate/transformers "
+                "issues where bf16=True ended up running half precision (dtype mapping mistakes)",),
+    manifest=Manifest(check="extra_at_least", steps=2,
+                      variant={"model": {"init_std": 0.002}, "train": {"precision": "bf16"}},
+                      params={"key": "grad_zero_fraction", "faulty_min": 0.05, "clean_max": 0.01}),
+)
+def autocast_context(precision: str, device_type: str):
+    """bf16 mapped to float16."""
+    import contextlib
+
+    half_types = {"fp16": torch.float16, "bf16": torch.float16}
+    if precision not in half_types:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=half_types[precision])
+
+
+@fault(
+    "b10_07",
+    seam="model.checkpoint.load_checkpoint",
+    title="The LR scheduler is stepped once after loading 'to catch up', so the resumed schedule runs a step ahead",
+    subsystem="checkpoint",
+    also_acceptable=("optimizer",),
+    trigger="on-resume",
+    symptoms=("silent-quality",),
+    explanation="load_checkpoint restores the scheduler state and then calls scheduler.step() once more, "
+    "believing the saved state predates the last optimizer step. The state already counts that step, so every "
+    "resumed step uses the learning rate of the following step: warmup and decay are shifted and the resumed "
+    "run no longer matches the uninterrupted one.",
+    fix="Load the scheduler state as saved; never step it outside the training loop.",
+    references=("PyTorch forums: 'resume training LR scheduler off by one' (calling scheduler.step() after "
+                "load_state_dict); Lightning issue on scheduler stepped twice on resume",),
+    manifest=Manifest(scenario="resume", steps=12, check="extra_at_least",
+                      params={"key": "resume_loss_diff", "faulty_min": 0.002, "clean_max": 0.0}),
+)
+def load_checkpoint(run, directory) -> None:
+    """Scheduler advanced after restoring it."""
+    directory = Path(directory)  # noqa: F821 (model.checkpoint's)
+    meta = read_meta(directory)  # noqa: F821
+    if meta.get("format") != FORMAT:  # noqa: F821
+        raise CheckpointError(f"unsupported checkpoint format {meta.get('format')!r}")  # noqa: F821
+    blob = directory / "state.pt"
+    if not blob.exists() or _sha256(blob) != meta["sha256"]:  # noqa: F821
+        raise CheckpointError(f"{blob} is missing or corrupted")  # noqa: F821
+    mismatch = _config_mismatch(meta["config"], run.config.to_dict())  # noqa: F821
+    if mismatch:
+        raise CheckpointError("config differs: " + "; ".join(mismatch))  # noqa: F821
+    if meta["tokenizer_sha256"] != run.tokenizer.sha256:
+        raise CheckpointError("checkpoint was written with another tokenizer")  # noqa: F821
+    saved = torch.load(blob, map_location=run.config.train.device, weights_only=True)
+    run.model.load_state_dict(saved["model"])
+    run.optimizer.load_state_dict(saved["optimizer"])
+    run.scheduler.load_state_dict(saved["scheduler"])
+    run.scheduler.step()  # catch up with the optimizer step taken just before saving
+    run.scaler.load_state_dict(saved["scaler"])
+    run.sampler.load_state_dict(saved["sampler"])
+    run.step = saved["step"]
+    run.history = [StepRecord(**{k: v for k, v in rec.items() if k != "tokens_per_s"})  # noqa: F821
+                   for rec in saved["history"]]
+    restore_rng_state(saved["rng"][run.rank])  # noqa: F821
+
+
+_LLAMA = "transformers.models.llama.modeling_llama"
+
+
+@fault(
+    "b10_08",
+    target="hf", seam=f"{_LLAMA}.LlamaRMSNorm.forward",
+    title="RMSNorm applies its gain as (1 + weight), a convention of another architecture, to ones-initialised weights",
+    subsystem="model",
+    trigger="always",
+    symptoms=("silent-quality",),
+    explanation="LlamaRMSNorm.forward multiplies the normalised states by (1 + weight), as Gemma's RMSNorm does "
+    "(whose weight is zero-initialised). Llama initialises the weight to ones, so every norm starts with a gain "
+    "of 2 and the learned gains are offset by one: the residual stream and the logits are scaled differently "
+    "from the architecture the config describes, and converted checkpoints would be wrong.",
+    fix="weight * normalised (Llama); use (1 + weight) only with zero-initialised weights (Gemma).",
+    references=("huggingface/transformers: GemmaRMSNorm uses (1 + weight) while LlamaRMSNorm uses weight; "
+                "issues about ported/converted checkpoints where the +1 offset was applied to the wrong family",),
+    manifest=Manifest(check="metric_differs", steps=16, params={"min_gap": 0.02}),
+)
+def rmsnorm_forward_offset_gain(self, hidden_states):
+    """Gain applied as 1 + weight."""
+    in_dtype = hidden_states.dtype
+    h = hidden_states.float()
+    h = h * torch.rsqrt(h.square().mean(dim=-1, keepdim=True) + self.variance_epsilon)
+    return (h * (1.0 + self.weight.float())).to(in_dtype)
+
+
+@fault(
+    "b10_09",
+    target="hf", seam="transformers.optimization._get_cosine_schedule_with_warmup_lr_lambda",
+    title="Cosine schedule written as cos(pi * num_cycles * progress): with num_cycles=0.5 it stops half way down",
+    subsystem="optimizer",
+    trigger="after-step",
+    symptoms=("silent-quality",),
+    explanation="The cosine factor drops the factor 2 in cos(pi * 2 * num_cycles * progress). With the default "
+    "num_cycles=0.5 only a quarter wave is traced: the learning rate ends near half its peak instead of "
+    "near zero, so the end of training never anneals.",
+    fix="0.5 * (1 + cos(pi * 2 * num_cycles * progress)).",
+    references=("transformers get_cosine_schedule_with_warmup docstring: num_cycles=0.5 'decrease from the max "
+                "value to 0 following a half-cosine'; forum threads on schedulers that do not reach zero",),
+    manifest=Manifest(check="lr_ratio", steps=16, params={"min_ratio": 5.0, "max_ratio": 1000.0, "step": 15}),
+)
+def cosine_lambda_quarter_wave(current_step, *, num_warmup_steps, num_training_steps, num_cycles, min_lr_rate=0.0):
+    """Missing factor 2 in the cosine."""
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    done = (current_step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
+    wave = 0.5 * (1.0 + math.cos(math.pi * num_cycles * done))
+    return max(0.0, min_lr_rate + (1.0 - min_lr_rate) * wave)
+
+
+@fault(
+    "b10_10",
+    target="hf", seam="transformers.trainer.Trainer._save_rng_state",
+    title="RNG states always written under the per-process file name, which a single-process resume never reads",
+    subsystem="checkpoint",
+    trigger="on-resume",
+    symptoms=("silent-quality",),
+    explanation="_save_rng_state names the file rng_state_{process_index}.pth even when world_size is 1, while "
+    "the loader looks for rng_state.pth in that case: it finds nothing, logs that it could not restore the RNG "
+    "and continues. The resumed run draws different dropout masks (and shuffles) than the uninterrupted one.",
+    fix="Write rng_state.pth when world_size <= 1 (or make save and load share one naming function).",
+    references=("huggingface/transformers: 'Didn't find an RNG file, if you are resuming a training that was "
+                "launched in a distributed fashion, reproducibility is not guaranteed' - save/load naming "
+                "mismatches reported in resume-reproducibility issues",),
+    manifest=Manifest(scenario="resume", steps=16, check="extra_at_least", variant={"recipe": "resume"},
+                      params={"key": "resume_loss_gap", "faulty_min": 1e-3, "clean_max": 0.0}),
+)
+def save_rng_state_per_process_name(self, output_dir):
+    """Per-process name in single-process runs."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(),  # noqa: F821 (transformers.trainer's)
+              "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    os.makedirs(output_dir, exist_ok=True)  # noqa: F821
+    torch.save(states, os.path.join(output_dir, f"rng_state_{self.args.process_index}.pth"))  # noqa: F821
