@@ -312,3 +312,64 @@ def save_rng_state_per_process_name(self, output_dir):
         states["cuda"] = torch.cuda.random.get_rng_state_all()
     os.makedirs(output_dir, exist_ok=True)  # noqa: F821
     torch.save(states, os.path.join(output_dir, f"rng_state_{self.args.process_index}.pth"))  # noqa: F821
+
+
+@fault(
+    "b10_11",
+    target="hf", seam="transformers.data.data_collator.pad_without_fast_tokenizer_warning",
+    title="After padding, the attention mask is rebuilt as ones_like(input_ids): pads look like real tokens",
+    subsystem="collate",
+    also_acceptable=("mask",),
+    trigger="rare-batch",
+    symptoms=("silent-quality",),
+    explanation="The padding helper overwrites the tokenizer's attention mask with torch.ones_like(input_ids) "
+    "(a custom collator's 'every token is real' shortcut). The labels still ignore pads, so with right padding "
+    "nothing changes for real tokens; with left padding every real token attends to the pad tokens before it, "
+    "so the loss and the learned model depend on how much padding a row got.",
+    fix="Keep the attention mask tokenizer.pad returns (1 for tokens, 0 for pads).",
+    references=("huggingface/transformers warning 'We strongly recommend passing in an attention_mask since "
+                "your input_ids may be padded'; forum threads on custom collators building attention_mask as "
+                "ones_like(input_ids) with left padding",),
+    manifest=Manifest(check="metric_differs", steps=16, variant={"recipe": "left_pad"}, params={"min_gap": 0.02}),
+)
+def pad_mask_all_ones(tokenizer, *pad_args, **pad_kwargs):
+    """Mask overwritten with ones after padding."""
+    import torch
+
+    flags = getattr(tokenizer, "deprecation_warnings", None)
+    if flags is None:
+        out = tokenizer.pad(*pad_args, **pad_kwargs)
+    else:
+        previous = flags.get("Asking-to-pad-a-fast-tokenizer", False)
+        flags["Asking-to-pad-a-fast-tokenizer"] = True
+        try:
+            out = tokenizer.pad(*pad_args, **pad_kwargs)
+        finally:
+            flags["Asking-to-pad-a-fast-tokenizer"] = previous
+    if "attention_mask" in out:
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+    return out
+
+
+@fault(
+    "b10_12",
+    target="hf", seam="transformers.trainer.Trainer.get_train_dataloader",
+    title="Training dataloader built with the evaluation sampler: no shuffling, the same documents in file order",
+    subsystem="data",
+    trigger="always",
+    symptoms=("silent-quality",),
+    explanation="get_train_dataloader passes sampler_fn=self._get_eval_sampler (copied from the eval loader): "
+    "training reads the dataset sequentially, every epoch and every seed in the same order, so the run no "
+    "longer depends on the data seed and any ordering of the source file (sorted, grouped) leaks into training.",
+    fix="Use self._get_train_sampler for training.",
+    references=("PyTorch forums/StackOverflow: 'forgot shuffle=True in the training DataLoader' as a "
+                "classic cause of poor or order-dependent training",),
+    manifest=Manifest(check="metric_differs", steps=16, params={"min_gap": 0.01}),
+)
+def train_dataloader_sequential(self):
+    """Eval sampler for the training set."""
+    if self.train_dataset is None:
+        raise ValueError("Trainer: training requires a train_dataset.")
+    return self._get_dataloader(dataset=self.train_dataset, description="Training",
+                                batch_size=self._train_batch_size, sampler_fn=self._get_eval_sampler,
+                                is_training=True)
