@@ -373,3 +373,72 @@ def train_dataloader_sequential(self):
     return self._get_dataloader(dataset=self.train_dataset, description="Training",
                                 batch_size=self._train_batch_size, sampler_fn=self._get_eval_sampler,
                                 is_training=True)
+
+
+@fault(
+    "b10_13",
+    seam="model.distributed.global_target_count",
+    title="Target count of the step taken from this rank alone (the all-reduce is skipped)",
+    subsystem="distributed",
+    also_acceptable=("loss",),
+    trigger="multi-rank",
+    symptoms=("silent-quality",),
+    explanation="global_target_count returns the local count without summing it over ranks. train_step still "
+    "divides it by the world size, so each rank normalises its summed loss by half its own count: the loss "
+    "and every gradient come out ~world_size times too large, and ranks with fewer tokens weigh more.",
+    fix="all_reduce(SUM) the local count over the process group before normalising.",
+    references=("huggingface/transformers: num_items_in_batch not reduced across devices under DDP "
+                "(average_tokens_across_devices, the gradient-accumulation loss fix of Oct 2024)",),
+    manifest=Manifest(check="grad_norm_ratio", scenario="ddp", steps=4, params={"min_ratio": 1.5, "max_ratio": 2.5}),
+)
+def global_target_count(local_count: int, device: str = "cpu") -> int:
+    """No reduction over ranks."""
+    return int(local_count)
+
+
+@fault(
+    "b10_14",
+    target="hf", seam=f"{_LLAMA}.LlamaDecoderLayer.forward",
+    title="The MLP's residual is the layer's input, not the post-attention stream: attention output is dropped",
+    subsystem="model",
+    trigger="always",
+    symptoms=("silent-quality",),
+    explanation="LlamaDecoderLayer.forward keeps the residual captured before attention and never refreshes it "
+    "after the attention sum, so the layer returns input + mlp(norm(input + attn)): the attention output only "
+    "reaches the stream through the MLP's input, and is otherwise thrown away.",
+    fix="residual = hidden_states after adding the attention output, before the post-attention norm.",
+    references=("Pre-norm residual wiring bugs in from-scratch Llama/GPT ports (e.g. karpathy/nanoGPT and "
+                "lit-gpt discussions of x = x + attn(ln(x)); x = x + mlp(ln(x)))",),
+    manifest=Manifest(check="metric_differs", steps=48, params={"min_gap": 0.1}),
+)
+def decoder_layer_stale_residual(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                                 use_cache=False, position_embeddings=None, **kwargs):
+    """The MLP is added to the pre-attention residual."""
+    skip = hidden_states
+    attn_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                 position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)
+    mixed = skip + attn_out
+    return skip + self.mlp(self.post_attention_layernorm(mixed))
+
+
+@fault(
+    "b10_15",
+    seam="model.data.truncate",
+    title="Over-long documents truncated from the left: the tail is kept and BOS is lost",
+    subsystem="data",
+    trigger="rare-batch",
+    symptoms=("silent-quality", "eval-metric"),
+    explanation="truncate keeps the last max_len ids (truncation_side='left', the chat-template habit of keeping "
+    "the most recent turns). Long documents lose their BOS and their beginning: they start mid-sentence with an "
+    "ordinary token, so the model learns document starts that never happen and the evaluation of truncated "
+    "documents measures another task.",
+    fix="Keep the head of the document and re-append EOS: ids[:max_len - 1] + [eos_id].",
+    references=("huggingface/transformers: tokenizer.truncation_side='left' drops the BOS/CLS of the sequence "
+                "(issues on left truncation removing special tokens)",),
+    manifest=Manifest(check="metric_differs", steps=30, variant={"data": {"seq_len": 8}}, params={"min_gap": 0.05}),
+)
+def truncate(ids: list[int], max_len: int, eos_id: int) -> list[int]:
+    """Keeps the tail."""
+    overflow = len(ids) - max_len
+    return ids if overflow <= 0 else ids[overflow:]
