@@ -183,12 +183,9 @@ def build_attention_mask(attention_mask, query_len: int, dtype):
 )
 def autocast_context(precision: str, device_type: str):
     """bf16 mapped to float16."""
-    import contextlib
-
     half_types = {"fp16": torch.float16, "bf16": torch.float16}
-    if precision not in half_types:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=half_types[precision])
+    enabled = precision in half_types
+    return torch.autocast(device_type=device_type, dtype=half_types.get(precision, torch.float16), enabled=enabled)
 
 
 @fault(
