@@ -50,7 +50,8 @@ bench-mutants: setup
 # (benchmarks/blind6/, written at stop 25 after the same happened to the fifth); BLIND=blind7 the seventh
 # (benchmarks/blind7/, written at stop 26 after the sixth was partly seen the same way); BLIND=blind8 the eighth
 # (benchmarks/blind8/, written at stop 27 after a review's duplicates report hinted at the seventh's seams);
-# BLIND=blind9 the ninth (benchmarks/blind9/, written at stop 29 after the eighth was partly seen the same way).
+# BLIND=blind9 the ninth (benchmarks/blind9/, written at stop 29 after the eighth was partly seen the same way);
+# BLIND=blind10 the tenth (benchmarks/blind10/, written at the end of stop 29 after the same happened to the ninth).
 BLIND ?= blind
 bench-blind: setup
 	$(PY) -m faultbench bench --target all --plugin benchmarks/$(BLIND)/blind_faults.py --only-plugin-faults --blind \

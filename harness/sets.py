@@ -1,8 +1,8 @@
 """The fault sets side by side: the registry, the unseen, blind and mutant sets, per target and track.
 
 Each set is scored by its own bench run into its own folder (``make bench`` -> results/, the unseen plugin ->
-results/unseen/, the blind plugins (benchmarks/blind/ to blind9/) -> results/blind/ to
-results/blind9/, ``bench --mutants`` -> results/mutants/); this
+results/unseen/, the blind plugins (benchmarks/blind/ to blind10/) -> results/blind/ to
+results/blind10/, ``bench --mutants`` -> results/mutants/); this
 reads their summary.json files and the bench rows of the mutant set, and renders one table (results/sets.md, and
 a section of the leaderboard) plus the mutant set's scores per operator and per subsystem
 (results/mutants/by_operator.md).
@@ -19,7 +19,8 @@ from faultbench.harness.score import BLACKBOX, SUITE
 
 SETS = (("registry", "."), ("unseen", "unseen"), ("blind", "blind"), ("blind2", "blind2"),  # name, results/ folder
         ("blind3", "blind3"), ("blind4", "blind4"), ("blind5", "blind5"), ("blind6", "blind6"),
-        ("blind7", "blind7"), ("blind8", "blind8"), ("blind9", "blind9"), ("mutants", "mutants"))
+        ("blind7", "blind7"), ("blind8", "blind8"), ("blind9", "blind9"),
+        ("blind10", "blind10"), ("mutants", "mutants"))
 METRICS = (("detection_rate", "detection"), ("top1_subsystem", "top-1 subsystem"), ("top1_seam", "top-1 seam"),
            ("false_positive_rate", "FP"))
 TRACKS = (("white-box", "suite"), ("black-box", "blackbox"))
@@ -92,9 +93,9 @@ def sets_section(out: Path, summary: dict) -> list[str]:
     if len({r["set"] for r in rows}) < 2:
         return []
     return ["", "## Fault sets side by side", "",
-            "The registry (this run), the unseen plugin (unseen/), the blind sets (blind/ to blind9/, aggregates only) "
-            "and the admitted mutant set (mutants/), each scored by its own bench run; the mutant set's per-operator "
-            "scores are in mutants/by_operator.md.", "", *sets_markdown(rows)]
+            "The registry (this run), the unseen plugin (unseen/), the blind sets (blind/ to blind10/, aggregates "
+            "only) and the admitted mutant set (mutants/), each scored by its own bench run; the mutant set's "
+            "per-operator scores are in mutants/by_operator.md.", "", *sets_markdown(rows)]
 
 
 def write_sets(results: Path) -> Path:
@@ -103,8 +104,8 @@ def write_sets(results: Path) -> Path:
     lines = ["# The fault sets side by side", "",
              "Each set scored by its own bench run: the registry (`make bench`, results/), the unseen plugin "
              "(examples/unseen_faults.py, results/unseen/), the blind sets (benchmarks/blind/ to "
-             "benchmarks/blind9/, each written by someone who never read the detectors; aggregates only in "
-             "results/blind/ to results/blind9/; all but blind9 are partly seen, see the README) and the admitted "
+             "benchmarks/blind10/, each written by someone who never read the detectors; aggregates only in "
+             "results/blind/ to results/blind10/; all but blind10 are partly seen, see the README) and the admitted "
              "mutant set "
              "(`make bench-mutants`, results/mutants/). Detection and Top-1 are means over the cases where the fault "
              "showed; FP over each run's clean matrix.", "", *sets_markdown(sets_rows(results))]
